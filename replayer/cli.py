@@ -1,0 +1,242 @@
+"""The ``replayer`` command line: run, check, compile, import, info.
+
+Exit codes: 0 success, 1 a check failed (or goldens were just rewritten and
+need review), 2 bad input or a replay that cannot go on (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from traces import TraceError, load_target
+from traces.goldens import compare, select
+
+EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _quiet_vllm(verbose: bool) -> None:
+    """vLLM and torch stay quiet unless --verbose (set before they are imported)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if verbose:
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_LOGS", "-torch")
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replayer", description=(
+        "Replay recorded request streams through vLLM's own scheduler and KV-cache "
+        "manager, and check prefix-cache hits against golden results."))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def engine_opts(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--engine", default="installed",
+                        help="engine to replay on (default: the installed vLLM)")
+        sp.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
+        sp.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+
+    run = sub.add_parser("run", help="replay a scenario or trace and print its hits")
+    run.add_argument("target", help="scenario .yaml or trace directory")
+    run.add_argument("--json", metavar="OUT", help="write results as JSON ('-' for stdout)")
+    engine_opts(run)
+
+    check = sub.add_parser("check", help="replay targets and compare with their goldens")
+    check.add_argument("targets", nargs="+", help="scenarios, trace directories, or folders of them")
+    check.add_argument("--update-golden", action="store_true",
+                       help="rewrite the goldens from this replay (still exits 1, for review)")
+    engine_opts(check)
+
+    comp = sub.add_parser("compile", help="compile a scenario into a trace directory")
+    comp.add_argument("scenario")
+    comp.add_argument("-o", "--output", required=True, help="trace directory to write")
+
+    imp = sub.add_parser("import", help="import a public trace format")
+    imp.add_argument("format", choices=["mooncake"])
+    imp.add_argument("file")
+    imp.add_argument("-o", "--output", required=True, help="trace directory to write")
+    imp.add_argument("--limit", type=int, help="only the first N requests")
+    imp.add_argument("--engine", metavar="ENGINE.yaml", help="YAML file with an engine: block")
+    imp.add_argument("--step-ms", type=int, default=None,
+                     help="milliseconds of production time per engine step (default 20)")
+
+    info = sub.add_parser("info", help="print a trace's header and table sizes")
+    info.add_argument("target")
+    return p
+
+
+def _err(msg: str) -> int:
+    print(f"replayer: error: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _replay(target, args):
+    from .progress import ProgressBar
+    from .replay import replay
+
+    bar = ProgressBar(enabled=None if not args.no_progress else False)
+    try:
+        return replay(target, engine_spec=args.engine, progress=bar)
+    finally:
+        bar.close()
+
+
+def cmd_run(args) -> int:
+    from .report import dumps, run_table, write_atomic
+
+    trace = load_target(args.target)
+    result = _replay(trace, args)
+    print(run_table(result))
+    if args.json == "-":
+        sys.stdout.write(dumps(result))
+    elif args.json:
+        write_atomic(args.json, dumps(result))
+    return EXIT_OK
+
+
+def _expand_targets(targets: Sequence[str]) -> list[Path]:
+    """Folders that are not traces expand to the scenarios and traces inside."""
+    out: list[Path] = []
+    for t in targets:
+        p = Path(t)
+        if p.is_dir() and not (p / "header.json").exists():
+            found = sorted(q for q in p.rglob("*") if q.suffix in (".yaml", ".yml")
+                           or (q.is_dir() and (q / "header.json").exists()))
+            if not found:
+                raise TraceError(p, "holds no scenario (.yaml) or trace directory")
+            out.extend(found)
+        else:
+            out.append(p)
+    return out
+
+
+def cmd_check(args) -> int:
+    from traces.scenario import is_scenario_path
+
+    from .golden_update import update
+    from .report import check_report
+
+    paths = _expand_targets(args.targets)
+    traces = [(p, load_target(p)) for p in paths]   # all bad input is reported before any replay
+    worst = EXIT_OK
+    for path, trace in traces:
+        result = _replay(trace, args)
+        engine_key = result.engine.key
+        chosen = select(trace.goldens, engine_key)
+        if args.update_golden:
+            golden_key = chosen[0] if chosen else engine_key
+            where = update(path, is_scenario_path(path), trace.goldens, golden_key, engine_key,
+                           result.requests)
+            print(f"UPDATED {path}: goldens for {golden_key} rewritten in {where}; "
+                  "review the change before committing")
+            worst = EXIT_MISMATCH
+            continue
+        if chosen is None:
+            print(f"FAIL {path}: no goldens for engine {engine_key} "
+                  "(record them with --update-golden)")
+            worst = EXIT_MISMATCH
+            continue
+        golden_key, expect = chosen
+        mismatches = compare(expect, result.requests)
+        print(check_report(str(path), engine_key, golden_key, mismatches, result,
+                           trace.engine, len(expect)))
+        if mismatches:
+            worst = EXIT_MISMATCH
+    return worst
+
+
+def cmd_compile(args) -> int:
+    from traces.scenario import compile_scenario
+    from traces.trace import write_trace
+
+    trace = compile_scenario(args.scenario)
+    out = write_trace(trace, args.output)
+    print(f"wrote {out} ({trace.requests.num_rows} requests)")
+    return EXIT_OK
+
+
+def _engine_yaml(path: str) -> dict[str, Any]:
+    from traces.engine_spec import validate_engine
+    from traces.scenario import load_yaml
+
+    p = Path(path)
+    data = load_yaml(p)
+    for key in data:
+        if key != "engine":
+            raise TraceError(p, f"unknown key {key!r} (an engine file holds only 'engine:')")
+    if "engine" not in data:
+        raise TraceError(p, "no 'engine:' block")
+    return validate_engine(str(p), data["engine"])
+
+
+def cmd_import(args) -> int:
+    from traces.importers.mooncake import import_mooncake
+    from traces.step_clock import DEFAULT_STEP_MS
+    from traces.trace import write_trace
+
+    if args.limit is not None and args.limit < 1:
+        return _err("--limit must be at least 1")
+    step_ms = DEFAULT_STEP_MS if args.step_ms is None else args.step_ms
+    if step_ms < 1:
+        return _err("--step-ms must be at least 1")
+    engine = _engine_yaml(args.engine) if args.engine else None
+    trace = import_mooncake(args.file, limit=args.limit, engine=engine, step_ms=step_ms)
+    out = write_trace(trace, args.output)
+    print(f"wrote {out} ({trace.requests.num_rows} requests)")
+    return EXIT_OK
+
+
+def cmd_info(args) -> int:
+    from traces import schema
+
+    trace = load_target(args.target)
+    print(json.dumps(trace.header, indent=2, sort_keys=True))
+    for name in schema.TABLES:
+        table = trace.table(name)
+        if table is None:
+            continue
+        size = ""
+        if trace.path is not None and trace.path.is_dir():
+            f = trace.path / schema.TABLES[name].file
+            size = f", {f.stat().st_size} bytes on disk"
+        print(f"{name}: {table.num_rows} rows, {table.num_columns} columns{size}")
+    rq = trace.requests
+    print(f"prompt tokens: {sum(rq['num_prompt_tokens'].to_pylist())}")
+    for key, expect in sorted(trace.goldens.items()):
+        label = "any engine" if key == "*" else key
+        print(f"goldens for {label}: {len(expect)} requests")
+    return EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "check": cmd_check, "compile": cmd_compile, "import": cmd_import,
+            "info": cmd_info}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(args_list)
+    if args.command in ("run", "check") and argv is None:
+        from .determinism import reexec_with_pinned_seed
+
+        reexec_with_pinned_seed(args_list)
+    _quiet_vllm(getattr(args, "verbose", False))
+    from .engines import EngineError
+    from .replay import ReplayError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (TraceError, EngineError, ReplayError) as exc:
+        return _err(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The interface between the replay loop and one vLLM release's adapter.
+
+The replay loop speaks only these dataclasses and this protocol; everything
+that differs between vLLM releases lives behind it, in one adapter module per
+release range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as the engine receives it: real tokens, a fixed output."""
+
+    id: str
+    prompt_tokens: list[int]
+    # Tokens the null model emits, in order; longer than output_len so that
+    # drafts near the end have something to propose.
+    output_tokens: np.ndarray
+    output_len: int
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """What vLLM reported for a request's prefill (``EngineCoreOutput.prefill_stats``)."""
+
+    id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_local_cached_tokens: int
+    num_external_cached_tokens: int
+
+
+@dataclass
+class StepResult:
+    executed: bool                 # the model ran (tokens were scheduled)
+    prefills: list[PrefillOutcome] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Names the engine in every output: version, where it came from."""
+
+    vllm: str
+    source: str = "installed"
+
+    @property
+    def key(self) -> str:
+        """The key goldens are filed under, e.g. ``vllm==0.33.0``."""
+        return f"vllm=={self.vllm}"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"vllm": self.vllm, "source": self.source}
+
+
+class EngineAdapter(Protocol):
+    info: EngineInfo
+
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    def step(self) -> StepResult: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def reset_prefix_cache(self) -> bool: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def vllm_seconds(self) -> float:
+        """Seconds spent inside vLLM's ``schedule`` and ``update_from_output``."""
+        ...
+
+    def close(self) -> None: ...

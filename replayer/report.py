@@ -1,0 +1,109 @@
+"""Human-readable output: the run table, the check report, and JSON writing."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+from traces.goldens import Mismatch
+
+from .replay import ReplayResult
+
+TABLE_LIMIT = 40
+
+
+def _fmt(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
+def run_table(result: ReplayResult, limit: int = TABLE_LIMIT) -> str:
+    cols = ("id", "num_prompt_tokens", "num_cached_tokens", "num_local_cached_tokens",
+            "num_external_cached_tokens", "arrival_step", "finish_step")
+    heads = ("request", "prompt", "cached", "local", "external", "arrived", "finished")
+    rows = result.requests
+    shown = rows if len(rows) <= limit else rows[: limit // 2] + rows[-limit // 2:]
+    cells = [[_fmt(r[c]) for c in cols] for r in shown]
+    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
+    line = lambda vals: "  ".join(  # noqa: E731
+        v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+    out = [line(heads)]
+    for k, c in enumerate(cells):
+        if len(rows) > limit and k == limit // 2:
+            out.append(f"... {len(rows) - limit} more requests (use --json for all) ...")
+        out.append(line(c))
+    s = result.summary()
+    out.append("")
+    out.append(f"engine vllm {result.engine.vllm} ({result.engine.source}): {s['requests']} requests, "
+               f"{s['prompt_tokens']} prompt tokens, {s['cached_tokens']} cached "
+               f"(hit rate {s['hit_rate']:.1%}), {s['steps']} steps")
+    return "\n".join(out)
+
+
+def explain_gap(expected: int, actual: int, engine: dict[str, Any]) -> str:
+    """Say the shortfall in the units that cause misses: blocks and PMUs."""
+    gap = expected - actual
+    if gap == 0:
+        return ""
+    word = "short" if gap > 0 else "over"
+    gap = abs(gap)
+    parts = []
+    block = engine.get("block_size")
+    pmu = engine.get("prefix_match_unit", block)
+    if block and gap % block == 0:
+        parts.append(f"{gap // block} block(s) of {block}")
+    if pmu and pmu != block and gap % pmu == 0:
+        parts.append(f"{gap // pmu} prefix-match unit(s) of {pmu}")
+    unit = f" = {' = '.join(parts)}" if parts else ""
+    hint = ""
+    if actual == 0 and expected > 0:
+        hint = "; a full miss"
+    return f"{word} by {gap} tokens{unit}{hint}"
+
+
+def check_report(target: str, engine_key: str, golden_key: str, mismatches: list[Mismatch],
+                 result: ReplayResult, engine: dict[str, Any], checked: int) -> str:
+    if not mismatches:
+        return (f"PASS {target}: {checked} request(s) match the goldens for {golden_key} "
+                f"(engine {engine_key})")
+    out = [f"FAIL {target}: {len(mismatches)} mismatch(es) against the goldens for "
+           f"{golden_key} (engine {engine_key})"]
+    by_id = {r["id"]: r for r in result.requests}
+    first = mismatches[0]
+    r = by_id.get(first.request)
+    where = (f" (arrived at step {r['arrival_step']}, prefill at step {r['prefill_step']})"
+             if r else " (never arrived)")
+    out.append(f"  first divergence: request {first.request}{where}: {first.field} "
+               f"expected {_fmt(first.expected)}, got {_fmt(first.actual)}")
+    out.append(f"  {'request':<16} {'field':<28} {'expected':>10} {'actual':>10}  note")
+    for m in mismatches:
+        note = (explain_gap(m.expected, m.actual, engine)
+                if isinstance(m.expected, int) and isinstance(m.actual, int) else "")
+        out.append(f"  {m.request:<16} {m.field:<28} {_fmt(m.expected):>10} "
+                   f"{_fmt(m.actual):>10}  {note}")
+    return "\n".join(out)
+
+
+def dumps(result: ReplayResult) -> str:
+    """The deterministic JSON form (no timings): byte-identical across runs."""
+    return json.dumps(result.as_dict(), indent=2) + "\n"
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` so that ``path`` is either untouched or complete."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def lines(items: Iterable[str]) -> str:
+    return "\n".join(items)

@@ -1,0 +1,1 @@
+"""Importers turn public trace formats into prefix-replayer traces."""

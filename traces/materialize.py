@@ -1,0 +1,87 @@
+"""Turning a trace's requests table into the token ids an engine receives.
+
+The one definition of a request's tokens, whichever form the trace stores:
+explicit ``prompt_tokens``, or ``prompt_block_ids`` synthesised per block.
+Tokens are made one request at a time, when it arrives, so a replay of the
+whole conversation trace never holds 145 M tokens at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from .engine_spec import vocab_size
+from .tokens import block_tokens, stream_tokens
+
+
+def _list_column(table: pa.Table, name: str):
+    """(offsets, values, validity) of a list column, as numpy, or None if absent."""
+    if name not in table.column_names:
+        return None
+    arr = table[name].combine_chunks()
+    if isinstance(arr, pa.ChunkedArray):  # pragma: no cover - pyarrow < 15
+        arr = arr.chunk(0) if arr.num_chunks else pa.array([], arr.type)
+    offsets = arr.offsets.to_numpy()
+    values = arr.values.to_numpy(zero_copy_only=False)
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    return offsets, values, valid
+
+
+@dataclass
+class RequestRows:
+    """The requests table as plain columns, for a fast replay loop."""
+
+    ids: list[str]
+    arrival_step: list[int | None]
+    after: list[str | None]
+    num_prompt_tokens: list[int]
+    output_len: list[int]
+    cache_salt: list[str | None]
+    lora_name: list[str | None]
+
+
+class TokenSource:
+    """Prompt and output tokens of each request row."""
+
+    def __init__(self, header: dict[str, Any], requests: pa.Table) -> None:
+        self.vocab = vocab_size(header["engine"])
+        self.block = (header.get("prompt_blocks") or {}).get("block_tokens")
+        self.n_prompt = requests["num_prompt_tokens"].to_numpy()
+        self.ids = requests["id"].to_pylist()
+        self._tokens = _list_column(requests, "prompt_tokens")
+        self._blocks = _list_column(requests, "prompt_block_ids")
+        self._outputs = _list_column(requests, "output_tokens")
+
+    def prompt(self, row: int) -> np.ndarray:
+        col = self._tokens
+        if col is not None and col[2][row]:
+            off, vals, _ = col
+            return np.asarray(vals[off[row]:off[row + 1]], dtype=np.int64)
+        off, vals, _ = self._blocks  # validated: one of the two is present
+        return block_tokens(vals[off[row]:off[row + 1]], self.block, int(self.n_prompt[row]),
+                            self.vocab)
+
+    def output(self, row: int, output_len: int, extra: int) -> np.ndarray:
+        """The tokens the null model emits, plus ``extra`` for late drafts."""
+        col = self._outputs
+        synth = stream_tokens(f"out:{self.ids[row]}", 0, output_len + extra, self.vocab)
+        if col is not None and col[2][row]:
+            off, vals, _ = col
+            synth[:output_len] = vals[off[row]:off[row + 1]]
+        return synth
+
+
+def request_rows(requests: pa.Table) -> RequestRows:
+    names = set(requests.column_names)
+
+    def col(name: str, default: Any = None) -> list[Any]:
+        return requests[name].to_pylist() if name in names else [default] * requests.num_rows
+
+    return RequestRows(
+        ids=col("id"), arrival_step=col("arrival_step"), after=col("after"),
+        num_prompt_tokens=col("num_prompt_tokens"), output_len=col("output_len"),
+        cache_salt=col("cache_salt"), lora_name=col("lora_name"))

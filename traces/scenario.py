@@ -1,0 +1,192 @@
+"""Hand-written YAML scenarios: how users write a regression case.
+
+A scenario compiles to an ordinary trace (prompt tokens spelled out), so a
+scenario and its compiled trace replay identically. Every key is checked;
+unknown keys are errors with the file and the key's place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import yaml
+
+from . import schema
+from .engine_spec import validate_engine, vocab_size
+from .errors import TraceError
+from .goldens import EXPECT_FIELDS, ANY_ENGINE
+from .tokens import stream_tokens
+from .trace import Trace
+from .validate import validate_trace
+
+TOP_KEYS = ("engine", "requests", "events", "expect", "description")
+REQUEST_KEYS = ("id", "prompt", "output_len", "after", "arrival_step", "cache_salt")
+SPAN_KEYS = ("stream", "start", "len")
+EVENT_KEYS = ("after", "at_step", "action", "target")
+
+
+def is_scenario_path(path: str | Path) -> bool:
+    return Path(path).suffix in (".yaml", ".yml")
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise TraceError(path, "no such file") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark else ""
+        raise TraceError(path, f"invalid YAML{line}: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise TraceError(path, "a scenario must be a YAML mapping")
+    return data
+
+
+def _unknown(path: Path, where: str, obj: dict[str, Any], known: tuple[str, ...]) -> None:
+    for key in obj:
+        if key not in known:
+            raise TraceError(path, f"unknown key {key!r} in {where} (known: {', '.join(known)})")
+
+
+def _int(path: Path, where: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TraceError(path, f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _prompt_tokens(path: Path, where: str, prompt: Any, vocab: int) -> np.ndarray:
+    spans = prompt if isinstance(prompt, list) else [prompt]
+    if not spans:
+        raise TraceError(path, f"{where}.prompt is empty")
+    parts = []
+    for j, span in enumerate(spans):
+        w = f"{where}.prompt[{j}]"
+        if not isinstance(span, dict):
+            raise TraceError(path, f"{w} must be a mapping {{stream, start, len}}")
+        _unknown(path, w, span, SPAN_KEYS)
+        stream = span.get("stream")
+        if not isinstance(stream, str) or not stream:
+            raise TraceError(path, f"{w}.stream must be a non-empty string")
+        start = _int(path, f"{w}.start", span.get("start", 0), 0)
+        length = _int(path, f"{w}.len", span.get("len"), 1)
+        parts.append(stream_tokens(stream, start, length, vocab))
+    return np.concatenate(parts)
+
+
+def compile_scenario(path: str | Path) -> Trace:
+    """Read a scenario file and build its trace (goldens from ``expect:``)."""
+    path = Path(path)
+    data = load_yaml(path)
+    _unknown(path, "the scenario", data, TOP_KEYS)
+    engine = validate_engine(str(path), data.get("engine", {}))
+    vocab = vocab_size(engine)
+    reqs = data.get("requests")
+    if not isinstance(reqs, list) or not reqs:
+        raise TraceError(path, "requests must be a non-empty list")
+    cols: dict[str, list[Any]] = {k: [] for k in (
+        "id", "arrival_step", "after", "num_prompt_tokens", "prompt_tokens", "output_len",
+        "cache_salt")}
+    for i, req in enumerate(reqs):
+        where = f"requests[{i}]"
+        if not isinstance(req, dict):
+            raise TraceError(path, f"{where} must be a mapping")
+        _unknown(path, where, req, REQUEST_KEYS)
+        rid = req.get("id")
+        if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+            raise TraceError(path, f"{where}.id must be a string")
+        if "prompt" not in req:
+            raise TraceError(path, f"{where} has no prompt")
+        tokens = _prompt_tokens(path, where, req["prompt"], vocab)
+        after = req.get("after")
+        if after is not None and "arrival_step" in req:
+            raise TraceError(path, f"{where}: give either after or arrival_step, not both")
+        cols["id"].append(str(rid))
+        cols["arrival_step"].append(None if after is not None
+                                    else _int(path, f"{where}.arrival_step",
+                                              req.get("arrival_step", 0), 0))
+        cols["after"].append(None if after is None else str(after))
+        cols["num_prompt_tokens"].append(len(tokens))
+        cols["prompt_tokens"].append(tokens.astype(np.int32))
+        cols["output_len"].append(_int(path, f"{where}.output_len", req.get("output_len", 1), 1))
+        salt = req.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise TraceError(path, f"{where}.cache_salt must be a string")
+        cols["cache_salt"].append(salt)
+    spec = schema.REQUESTS
+    arrays = {}
+    for name, values in cols.items():
+        col = next(c for c in spec.columns if c.name == name)
+        if name == "prompt_tokens":
+            offsets = np.zeros(len(values) + 1, dtype=np.int32)
+            offsets[1:] = np.cumsum([len(v) for v in values])
+            flat = pa.array(np.concatenate(values), type=pa.int32())
+            arrays[name] = pa.ListArray.from_arrays(pa.array(offsets), flat)
+        else:
+            arrays[name] = pa.array(values, type=col.type)
+    requests = pa.table(arrays, schema=spec.arrow_schema(set(cols)))
+    events = _events(path, data.get("events"))
+    header = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "engine": engine,
+        "source": {"kind": "authored", "from": path.name},
+    }
+    if data.get("description") is not None:
+        header["description"] = str(data["description"])
+    trace = Trace(header=header, requests=requests, events=events, path=path,
+                  goldens=_expect(path, data.get("expect"), set(cols["id"])))
+    validate_trace(path, trace)
+    return trace
+
+
+def _events(path: Path, events: Any) -> pa.Table | None:
+    if events is None:
+        return None
+    if not isinstance(events, list):
+        raise TraceError(path, "events must be a list")
+    rows = []
+    for i, ev in enumerate(events):
+        where = f"events[{i}]"
+        if not isinstance(ev, dict):
+            raise TraceError(path, f"{where} must be a mapping")
+        _unknown(path, where, ev, EVENT_KEYS)
+        at = ev.get("at_step")
+        if at is not None:
+            at = _int(path, f"{where}.at_step", at, 0)
+        rows.append({"after": None if ev.get("after") is None else str(ev["after"]),
+                     "at_step": at, "action": ev.get("action"),
+                     "target": None if ev.get("target") is None else str(ev["target"])})
+    return pa.Table.from_pylist(rows, schema=schema.EVENTS.arrow_schema())
+
+
+def _expect(path: Path, expect: Any, ids: set[str]) -> dict[str, dict[str, dict[str, int]]]:
+    """``expect:`` -> {engine key: {request id: {field: value}}}.
+
+    A plain ``expect: {id: {...}}`` applies to any engine without its own
+    entry; ``expect: {"vllm==0.29.0": {id: {...}}}`` pins one engine.
+    """
+    if expect is None:
+        return {}
+    if not isinstance(expect, dict):
+        raise TraceError(path, "expect must be a mapping")
+    keyed = bool(expect) and all(isinstance(k, str) and "==" in k for k in expect)
+    groups = expect if keyed else {ANY_ENGINE: expect}
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for engine_key, per_req in groups.items():
+        if not isinstance(per_req, dict):
+            raise TraceError(path, f"expect[{engine_key!r}] must be a mapping")
+        out[engine_key] = {}
+        for rid, fields in per_req.items():
+            rid = str(rid)
+            if rid not in ids:
+                raise TraceError(path, f"expect names unknown request {rid!r}")
+            if not isinstance(fields, dict):
+                raise TraceError(path, f"expect.{rid} must be a mapping of fields")
+            _unknown(path, f"expect.{rid}", fields, EXPECT_FIELDS)
+            for k, v in fields.items():
+                _int(path, f"expect.{rid}.{k}", v, 0)
+            out[engine_key][rid] = dict(fields)
+    return out

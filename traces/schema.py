@@ -1,0 +1,104 @@
+"""Table schemas of a trace directory: one definition read by writer and reader.
+
+A trace is a directory holding ``header.json`` and these Parquet tables. Every
+table is plain Arrow, so polars, DuckDB or pyarrow read it without this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+HEADER_FILE = "header.json"
+GOLDEN_DIR = "golden"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    required: bool = True      # must be present in the file
+    nullable: bool = False     # may hold nulls
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    columns: tuple[Column, ...]
+    required: bool = False     # the file must exist
+
+    @property
+    def file(self) -> str:
+        return f"{self.name}.parquet"
+
+    def arrow_schema(self, present: set[str] | None = None) -> pa.Schema:
+        cols = [c for c in self.columns if present is None or c.name in present]
+        return pa.schema([pa.field(c.name, c.type, nullable=c.nullable) for c in cols])
+
+
+REQUESTS = Table("requests", (
+    Column("id", pa.string(), doc="request id, unique"),
+    Column("arrival_step", pa.int64(), nullable=True,
+           doc="engine step at which it arrives; null with `after` or at 0"),
+    Column("after", pa.string(), required=False, nullable=True,
+           doc="arrives once this request has finished"),
+    Column("arrival_ms", pa.int64(), required=False, nullable=True,
+           doc="original arrival time (imported traces); arrival_step derives from it"),
+    Column("num_prompt_tokens", pa.int64()),
+    Column("prompt_tokens", pa.list_(pa.int32()), required=False, nullable=True,
+           doc="explicit token ids"),
+    Column("prompt_block_ids", pa.list_(pa.int64()), required=False, nullable=True,
+           doc="anonymised prompt: block ids, tokens synthesised per block"),
+    Column("output_len", pa.int64()),
+    Column("output_tokens", pa.list_(pa.int32()), required=False, nullable=True),
+    Column("cache_salt", pa.string(), required=False, nullable=True),
+    Column("lora_name", pa.string(), required=False, nullable=True),
+), required=True)
+
+EVENTS = Table("events", (
+    Column("after", pa.string(), nullable=True, doc="runs once this request finished"),
+    Column("at_step", pa.int64(), nullable=True, doc="runs before this engine step"),
+    Column("action", pa.string(), doc="reset_prefix_cache | abort"),
+    Column("target", pa.string(), required=False, nullable=True,
+           doc="request id an abort applies to"),
+))
+
+OUTCOMES = Table("outcomes", (
+    Column("id", pa.string()),
+    Column("num_prompt_tokens", pa.int64()),
+    Column("num_cached_tokens", pa.int64()),
+    Column("num_local_cached_tokens", pa.int64(), nullable=True),
+    Column("num_external_cached_tokens", pa.int64(), nullable=True),
+))
+
+STEPS = Table("steps", (
+    Column("step", pa.int64()),
+    Column("id", pa.string()),
+    Column("num_scheduled_tokens", pa.int64()),
+    Column("num_accepted_tokens", pa.int64(), required=False, nullable=True),
+))
+
+STORE_OPS = Table("store_ops", (
+    Column("order", pa.int64()),
+    Column("step", pa.int64()),
+    Column("rank", pa.int64()),
+    Column("op", pa.string()),
+    Column("key", pa.string(), nullable=True),
+    Column("group", pa.int64(), nullable=True),
+    Column("boundary", pa.int64(), nullable=True),
+    Column("bytes", pa.int64(), nullable=True),
+    Column("result", pa.int64(), nullable=True),
+))
+
+# Golden expectations share the outcome columns; kept apart from recorded
+# observations so that updating a golden never rewrites what was recorded.
+# A golden may pin only some fields (a scenario's ``expect:``): nulls mean "not checked".
+GOLDEN = Table("golden", (OUTCOMES.columns[0],) + tuple(
+    Column(c.name, c.type, nullable=True) for c in OUTCOMES.columns[1:]))
+
+TABLES = {t.name: t for t in (REQUESTS, EVENTS, OUTCOMES, STEPS, STORE_OPS)}
+
+EVENT_ACTIONS = ("reset_prefix_cache", "abort")

@@ -1,0 +1,149 @@
+"""A trace in memory, and reading/writing it as a directory of Parquet tables.
+
+Writes are atomic: a trace directory is built under a temporary name beside the
+target and renamed into place, so a failure never leaves half a trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import schema
+from .errors import TraceError
+from .goldens import Goldens, expect_from_table, table_from_results
+from .validate import validate_header, validate_table, validate_trace
+
+
+@dataclass
+class Trace:
+    header: dict[str, Any]
+    requests: pa.Table
+    events: pa.Table | None = None
+    outcomes: pa.Table | None = None
+    steps: pa.Table | None = None
+    store_ops: pa.Table | None = None
+    # engine key (e.g. "vllm==0.33.0", or "*" for any) -> request id -> field -> value
+    goldens: Goldens = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def engine(self) -> dict[str, Any]:
+        return self.header["engine"]
+
+    def table(self, name: str) -> pa.Table | None:
+        return getattr(self, name)
+
+
+def golden_file(engine_key: str) -> str:
+    """File name of one engine's golden table inside ``golden/``."""
+    safe = engine_key.replace("==", "-").replace("/", "_").replace(":", "_")
+    return f"{safe}.parquet"
+
+
+def _write_table(path: Path, table: pa.Table) -> None:
+    pq.write_table(table, path, compression="zstd")
+
+
+def write_trace(trace: Trace, out_dir: str | os.PathLike) -> Path:
+    """Write ``trace`` to ``out_dir`` atomically; an existing trace there is replaced."""
+    out = Path(out_dir)
+    if out.exists() and not (out / schema.HEADER_FILE).exists() and any(out.iterdir()):
+        raise TraceError(out, "exists and is not a trace directory; refusing to overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / schema.HEADER_FILE).write_text(json.dumps(trace.header, indent=2, sort_keys=True) + "\n")
+        for name in schema.TABLES:
+            table = trace.table(name)
+            if table is not None:
+                _write_table(tmp / schema.TABLES[name].file, table)
+        if trace.goldens:
+            (tmp / schema.GOLDEN_DIR).mkdir()
+            for key, expect in sorted(trace.goldens.items()):
+                rows = [{"id": rid, **fields} for rid, fields in expect.items()]
+                _write_table(tmp / schema.GOLDEN_DIR / golden_file(key),
+                             table_from_results(rows, key))
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            if old.exists():
+                shutil.rmtree(old)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def write_golden(trace_dir: str | os.PathLike, engine_key: str, table: pa.Table) -> Path:
+    """Replace one engine's golden table in a trace directory, atomically."""
+    gdir = Path(trace_dir) / schema.GOLDEN_DIR
+    gdir.mkdir(exist_ok=True)
+    target = gdir / golden_file(engine_key)
+    fd, tmp = tempfile.mkstemp(prefix=".golden.", dir=gdir)
+    os.close(fd)
+    try:
+        _write_table(Path(tmp), table)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _read_table(path: Path, spec: schema.Table) -> pa.Table:
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise TraceError(path, f"not a readable Parquet file ({exc})") from None
+    validate_table(path, spec, table)
+    return table
+
+
+def read_header(trace_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(trace_dir) / schema.HEADER_FILE
+    if not path.is_file():
+        raise TraceError(trace_dir, f"not a trace directory (no {schema.HEADER_FILE})")
+    try:
+        header = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TraceError(path, f"invalid JSON: {exc}") from None
+    return validate_header(path, header)
+
+
+def read_trace(trace_dir: str | os.PathLike) -> Trace:
+    """Read and validate a trace directory; errors name file, column and row."""
+    root = Path(trace_dir)
+    header = read_header(root)
+    tables: dict[str, pa.Table | None] = {}
+    for name, spec in schema.TABLES.items():
+        path = root / spec.file
+        if path.exists():
+            tables[name] = _read_table(path, spec)
+        elif spec.required:
+            raise TraceError(path, "missing (every trace has a requests table)")
+        else:
+            tables[name] = None
+    goldens: Goldens = {}
+    gdir = root / schema.GOLDEN_DIR
+    if gdir.is_dir():
+        for path in sorted(gdir.glob("*.parquet")):
+            table = _read_table(path, schema.GOLDEN)
+            meta = table.schema.metadata or {}
+            key = meta.get(b"engine", path.stem.encode()).decode()
+            goldens[key] = expect_from_table(table)
+    trace = Trace(header=header, goldens=goldens, path=root, **tables)  # type: ignore[arg-type]
+    validate_trace(root, trace)
+    return trace
