@@ -73,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _err(msg: str) -> int:
+    msg = " ".join(part.strip() for part in msg.splitlines() if part.strip())  # always one line
     print(f"replayer: error: {msg}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
@@ -132,10 +133,11 @@ def cmd_check(args) -> int:
         chosen = select(trace.goldens, engine_key)
         if args.update_golden:
             golden_key = chosen[0] if chosen else engine_key
-            where = update(path, is_scenario_path(path), trace.goldens, golden_key, engine_key,
-                           result.requests)
-            print(f"UPDATED {path}: goldens for {golden_key} rewritten in {where}; "
-                  "review the change before committing")
+            written, where = update(path, is_scenario_path(path), trace.goldens, golden_key,
+                                    engine_key, result.requests)
+            label = "any engine" if written == "*" else written
+            print(f"UPDATED {path}: goldens for {label} rewritten in {where} from engine "
+                  f"{engine_key}; review the change before committing")
             worst = EXIT_MISMATCH
             continue
         if chosen is None:

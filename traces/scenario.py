@@ -37,10 +37,17 @@ def load_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise TraceError(path, "no such file") from None
+    except OSError as exc:
+        raise TraceError(path, f"cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(path, f"not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark else ""
-        raise TraceError(path, f"invalid YAML{line}: {getattr(exc, 'problem', exc)}") from None
+        if isinstance(exc, yaml.reader.ReaderError):   # no mark; its str() spans two lines
+            line = f" at character {exc.position}"
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise TraceError(path, f"invalid YAML{line}: {problem}") from None
     if not isinstance(data, dict):
         raise TraceError(path, "a scenario must be a YAML mapping")
     return data

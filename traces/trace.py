@@ -56,7 +56,8 @@ def _write_table(path: Path, table: pa.Table) -> None:
 def write_trace(trace: Trace, out_dir: str | os.PathLike) -> Path:
     """Write ``trace`` to ``out_dir`` atomically; an existing trace there is replaced."""
     out = Path(out_dir)
-    if out.exists() and not (out / schema.HEADER_FILE).exists() and any(out.iterdir()):
+    if out.exists() and not (out / schema.HEADER_FILE).exists() and (
+            not out.is_dir() or any(out.iterdir())):
         raise TraceError(out, "exists and is not a trace directory; refusing to overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

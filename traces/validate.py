@@ -177,10 +177,14 @@ def validate_events(path: Path, events: pa.Table, ids: set[str]) -> None:
 
 
 def validate_trace(root: Path, trace: "Trace") -> None:
-    validate_requests(root / schema.REQUESTS.file, trace.header, trace.requests)
+    # A trace built from one source file (scenario, imported trace) names that file.
+    def where(name: str) -> Path:
+        return root if root.is_file() else root / name
+
+    validate_requests(where(schema.REQUESTS.file), trace.header, trace.requests)
     ids = set(trace.requests["id"].to_pylist())
     if trace.events is not None:
-        validate_events(root / schema.EVENTS.file, trace.events, ids)
+        validate_events(where(schema.EVENTS.file), trace.events, ids)
     for key, expect in trace.goldens.items():
         for row, rid in enumerate(expect):
             if rid not in ids:

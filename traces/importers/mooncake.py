@@ -52,13 +52,17 @@ def import_mooncake(path: str | Path, *, limit: int | None = None,
     n_out: list[int] = []
     blocks: list[list[int]] = []
     try:
-        fh = path.open()
+        fh = path.open("rb")
     except OSError as exc:
         raise TraceError(path, f"cannot read ({exc.strerror})") from None
     with fh:
-        for lineno, line in enumerate(fh):
+        for lineno, raw in enumerate(fh):
             if limit is not None and len(ids) >= limit:
                 break
+            try:
+                line = raw.decode()
+            except UnicodeDecodeError as exc:
+                raise _bad(path, lineno, f"not UTF-8 text ({exc.reason})") from None
             if not line.strip():
                 raise _bad(path, lineno, "empty line")
             try:
@@ -77,8 +81,9 @@ def import_mooncake(path: str | Path, *, limit: int | None = None,
                                      column=f, row=lineno)
             h = rec["hash_ids"]
             if not isinstance(h, list) or not all(isinstance(x, int) and not isinstance(x, bool)
-                                                   for x in h):
-                raise TraceError(path, "must be a list of integers", column="hash_ids", row=lineno)
+                                                   and -2**63 <= x < 2**63 for x in h):
+                raise TraceError(path, "must be a list of 64-bit integers", column="hash_ids",
+                                 row=lineno)
             if rec["input_length"] < 1:
                 raise TraceError(path, "a prompt needs at least one token",
                                  column="input_length", row=lineno)
