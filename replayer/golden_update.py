@@ -68,14 +68,14 @@ def rewrite_scenario_expect(path: Path, goldens: Goldens) -> None:
 
 
 def update(trace_path: Path, is_scenario: bool, goldens: Goldens, golden_key: str,
-           engine_key: str, results: list[dict[str, Any]]) -> str:
-    """Write new goldens; returns where they went."""
+           engine_key: str, results: list[dict[str, Any]]) -> tuple[str, str]:
+    """Write new goldens; returns (the golden key written, where it went)."""
     if is_scenario:
         key = golden_key if golden_key in goldens else (
             ANY_ENGINE if not goldens or ANY_ENGINE in goldens else engine_key)
         new = dict(goldens)
         new[key] = updated_goldens(goldens, key, results)
         rewrite_scenario_expect(trace_path, new)
-        return f"{trace_path} (expect:{'' if key == ANY_ENGINE else ' ' + key})"
+        return key, f"{trace_path} (expect:)"
     target = write_golden(trace_path, engine_key, table_from_results(results, engine_key))
-    return str(target)
+    return engine_key, str(target)

@@ -139,7 +139,7 @@ def replay(trace: Trace, engine_spec: str = "installed",
         prompt = tokens.prompt(i)
         engine.add_request(EngineRequest(
             id=rid, prompt_tokens=prompt.tolist(),
-            output_tokens=tokens.output(i, rows.output_len[i], n_spec + 1),
+            output_tokens=tokens.output(i, rows.output_len[i], n_spec + 1).tolist(),
             output_len=rows.output_len[i], cache_salt=rows.cache_salt[i]))
         order.append(i)
         results[i] = {"id": rid, "arrival_step": clock, "num_prompt_tokens": len(prompt),

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 
 @dataclass(frozen=True)
 class EngineRequest:
@@ -21,7 +19,7 @@ class EngineRequest:
     prompt_tokens: list[int]
     # Tokens the null model emits, in order; longer than output_len so that
     # drafts near the end have something to propose.
-    output_tokens: np.ndarray
+    output_tokens: list[int]
     output_len: int
     cache_salt: str | None = None
 

@@ -261,7 +261,7 @@ class Vllm033Engine:
         self.scheduler.schedule = self._schedule  # type: ignore[method-assign]
         self.scheduler.update_from_output = self._update  # type: ignore[method-assign]
         self.num_spec = self.config.num_speculative_tokens if self.config.speculative_config else 0
-        self._outputs: dict[str, Any] = {}      # request id -> output token array
+        self._outputs: dict[str, list[int]] = {}  # request id -> output tokens
         self._sampled: list[str] = []
 
     # -- the model seam -------------------------------------------------
@@ -281,7 +281,7 @@ class Vllm033Engine:
             if req.num_computed_tokens >= req.num_tokens:
                 n = req.num_output_tokens
                 k = 1 + len(spec.get(rid, ()))
-                sampled.append(self._outputs[rid][n:n + k].tolist())
+                sampled.append(self._outputs[rid][n:n + k])
                 self._sampled.append(rid)
             else:
                 sampled.append([])
@@ -300,7 +300,7 @@ class Vllm033Engine:
                 continue
             n = req.num_output_tokens
             ids.append(rid)
-            drafts.append(self._outputs[rid][n:n + self.num_spec].tolist())
+            drafts.append(self._outputs[rid][n:n + self.num_spec])
         return DraftTokenIds(ids, drafts) if ids else None
 
     # -- the replay loop's interface -------------------------------------

@@ -1,0 +1,131 @@
+"""Benchmark: replay the Mooncake conversation trace, against a bare scheduler loop.
+
+For each geometry (full attention at block 16; the hybrid #51295 geometry) and
+each slice (first 1,000 requests; the whole 12,031), it runs
+
+* the replayer exactly as ``replayer run`` does (start-up included), and
+* a bare loop: the same vLLM build, then nothing but ``Request`` creation,
+  ``schedule``, a fixed model output and ``update_from_output``,
+
+and prints wall seconds, speed-up over the trace's real time, steps, seconds
+inside vLLM's ``schedule``/``update_from_output``, the harness's own seconds and
+its ratio to vLLM's, peak RSS and the hit rate. Each measurement runs in a
+fresh process so start-up and peak RSS are honest.
+
+    python benchmarks/replay_conversation.py            # everything (~15 min)
+    python benchmarks/replay_conversation.py --quick    # first 1,000 requests only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+KV_TOKENS = 2 * 1024 * 1024
+GEOMETRIES = {
+    "full-attention-b16": {
+        "block_size": 16, "kv_groups": [{"kind": "full_attention"}],
+        "max_num_batched_tokens": 8192, "max_num_seqs": 256,
+        "num_gpu_blocks": KV_TOKENS // 16,
+    },
+    "hybrid-b1536-pmu128-eagle": {
+        "block_size": 1536, "prefix_match_unit": 128,
+        "kv_groups": [{"kind": "full_attention"}, {"kind": "mamba"}],
+        "speculative": {"method": "eagle", "num_speculative_tokens": 1,
+                        "disable_lookahead_block_hashes": True},
+        "prefix_cache_retention_interval": 0,
+        "max_num_batched_tokens": 8192, "max_num_seqs": 256,
+        "num_gpu_blocks": KV_TOKENS // 1536,
+    },
+}
+
+
+def _child(mode: str, trace_dir: str) -> dict:
+    """Run one measurement in this (fresh) process and return its figures."""
+    t0 = time.perf_counter()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_LOGS", "-torch")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT))
+    from traces import read_trace
+    from replayer.replay import replay
+
+    trace = read_trace(trace_dir)
+    if mode == "replayer":
+        result = replay(trace)
+        s = result.summary()
+        vllm_s = result.timings["vllm_s"]
+        steps = s["steps"]
+        hit_rate = s["hit_rate"]
+        startup = result.timings["startup_s"]
+    else:
+        from bare_loop import bare_loop
+
+        steps, hit_rate, vllm_s, startup = bare_loop(trace)
+    wall = time.perf_counter() - t0
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"wall_s": wall, "vllm_s": vllm_s, "steps": steps, "hit_rate": hit_rate,
+            "peak_rss_mb": rss, "startup_s": startup}
+
+
+def _measure(mode: str, trace_dir: Path) -> dict:
+    env = dict(os.environ, PYTHONHASHSEED="0",
+               PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}")
+    out = subprocess.run([sys.executable, __file__, "--child", mode, str(trace_dir)],
+                         env=env, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"{mode} on {trace_dir} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="first 1,000 requests only")
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(_child(*args.child)))
+        return
+    sys.path.insert(0, str(ROOT))
+    from traces.importers.mooncake import import_mooncake
+    from traces.trace import write_trace
+
+    slices = [1000] if args.quick else [1000, None]
+    work = Path(tempfile.mkdtemp(prefix="replayer-bench-"))
+    print(f"{'geometry':<27} {'requests':>8} {'mode':<9} {'wall s':>7} {'x real':>7} "
+          f"{'steps':>7} {'vllm s':>7} {'harness s':>9} {'ratio':>6} {'rss MB':>7} {'hit':>6}")
+    for name in args.geometry or list(GEOMETRIES):
+        for limit in slices:
+            trace = import_mooncake(SOURCE, limit=limit, engine=GEOMETRIES[name])
+            tdir = write_trace(trace, work / f"{name}-{limit or 'all'}")
+            ms = trace.requests["arrival_ms"].to_pylist()
+            real_s = (ms[-1] - ms[0]) / 1000 or 1.0
+            rows = {}
+            for mode in ("bare", "replayer"):
+                r = _measure(mode, tdir)
+                rows[mode] = r
+                harness = r["wall_s"] - r["vllm_s"]
+                print(f"{name:<27} {trace.requests.num_rows:>8} {mode:<9} {r['wall_s']:>7.1f} "
+                      f"{real_s / r['wall_s']:>7.1f} {r['steps']:>7} {r['vllm_s']:>7.1f} "
+                      f"{harness:>9.1f} {harness / r['vllm_s']:>6.2f} {r['peak_rss_mb']:>7.0f} "
+                      f"{r['hit_rate']:>6.1%}", flush=True)
+            b, p = rows["bare"], rows["replayer"]
+            print(f"{'':<27} replayer / bare wall = {p['wall_s'] / b['wall_s']:.3f} "
+                  f"(target <= 1.15); outside-vLLM overhead vs vLLM = "
+                  f"{(p['wall_s'] - p['vllm_s']) / p['vllm_s']:.1%}; same hit rate: "
+                  f"{p['hit_rate'] == b['hit_rate']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
