@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
-MOONCAKE_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+# CI clones the repo beside a copy of shared/, as on a developer machine.
+MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 # A small scenario touching every scenario feature that compiles to a table:
 # several spans, after/arrival_step, cache_salt, events and goldens.

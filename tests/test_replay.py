@@ -1,0 +1,218 @@
+"""Replays through the real vLLM 0.33 EngineCore: hits, events, goldens, determinism."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from traces import load_target
+from traces.scenario import compile_scenario
+from traces.trace import read_trace, write_trace
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = REPO / "fixtures" / "scenarios"
+CONVERSATION = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600):
+    return subprocess.run([sys.executable, "-m", "replayer", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def replay():
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_LOGS", "-torch")
+    from replayer.replay import replay as _replay
+
+    return _replay
+
+
+def by_id(result):
+    return {r["id"]: r for r in result.requests}
+
+
+@pytest.mark.parametrize("turn1", [24576, 24577])
+def test_vllm51295_pair_hits_24448_on_033(replay, turn1):
+    result = replay(load_target(SCENARIOS / f"vllm51295_turn1_{turn1}.yaml"))
+    r = by_id(result)
+    assert result.engine.vllm.startswith("0.33")
+    assert r["turn1"]["num_cached_tokens"] == 0
+    assert r["turn2"]["num_prompt_tokens"] == 50000
+    assert r["turn2"]["num_cached_tokens"] == 24448
+    assert r["turn2"]["num_local_cached_tokens"] == 24448
+    assert r["turn2"]["num_external_cached_tokens"] == 0
+    # turn2 arrives once turn1 finished, never before.
+    assert r["turn2"]["arrival_step"] > r["turn1"]["finish_step"]
+    assert [x["id"] for x in result.requests] == ["turn1", "turn2"]
+
+
+def test_lookahead_hashes_turn_the_eagle_drop_off(replay):
+    """Same geometry, drop inactive: the hit lands on a whole block boundary."""
+    r = by_id(replay(load_target(SCENARIOS / "pmu_below_block_no_drop.yaml")))
+    assert r["turn2"]["num_cached_tokens"] == 24576
+
+
+def test_scenario_and_its_compiled_trace_replay_identically(replay, tmp_path):
+    scenario = SCENARIOS / "shared_system_prompt_hybrid.yaml"
+    out = write_trace(compile_scenario(scenario), tmp_path / "trace")
+    a = replay(load_target(scenario)).as_dict()
+    b = replay(read_trace(out)).as_dict()
+    assert a == b
+
+
+def test_arrival_steps_and_idle_clock_jump(replay, tmp_path):
+    path = tmp_path / "arrivals.yaml"
+    path.write_text(textwrap.dedent("""\
+        engine: {block_size: 16, max_num_batched_tokens: 256}
+        requests:
+          - {id: a, prompt: [{stream: s, len: 1000}], output_len: 2}
+          - {id: b, arrival_step: 500, prompt: [{stream: s, len: 1000}], output_len: 2}
+          - {id: c, arrival_step: 1, prompt: [{stream: t, len: 100}], output_len: 2}
+        """))
+    result = replay(load_target(path))
+    r = by_id(result)
+    assert [x["id"] for x in result.requests] == ["a", "c", "b"]     # arrival order
+    assert r["c"]["arrival_step"] == 1
+    assert r["b"]["arrival_step"] == 500                             # the clock jumped
+    assert r["b"]["num_cached_tokens"] == 992                        # a's blocks still cached
+    assert result.steps < 100                                        # idle steps cost nothing
+
+
+def test_abort_event_frees_the_request(replay, tmp_path):
+    path = tmp_path / "abort.yaml"
+    path.write_text(textwrap.dedent("""\
+        engine: {block_size: 16, max_num_batched_tokens: 512}
+        requests:
+          - {id: long, prompt: [{stream: doc, len: 4000}], output_len: 50}
+          - {id: late, arrival_step: 40, prompt: [{stream: doc, len: 4000}], output_len: 2}
+        events:
+          - {at_step: 3, action: abort, target: long}
+        """))
+    r = by_id(replay(load_target(path)))
+    assert r["long"]["aborted"] and r["long"]["finish_step"] == 3
+    assert r["long"]["num_cached_tokens"] is None                    # never finished prefill
+    # The three 512-token chunks it computed before the abort stay cached.
+    assert r["late"]["num_cached_tokens"] == 1536
+
+
+def test_reset_prefix_cache_event_empties_the_cache(replay):
+    r = by_id(replay(load_target(SCENARIOS / "reset_prefix_cache.yaml")))
+    assert r["after_reset"]["num_cached_tokens"] == 0
+    assert r["again"]["num_cached_tokens"] == 2992
+
+
+def test_progress_bar_only_when_enabled():
+    from replayer.progress import ProgressBar
+    from replayer.replay import Progress
+
+    shown = io.StringIO()
+    bar = ProgressBar(stream=shown, delay=0, interval=0, enabled=True)
+    bar(Progress(done=3, total=10, steps=7, prompt_tokens=100, cached_tokens=25))
+    bar.close()
+    assert "3/10 requests" in shown.getvalue() and "7 steps" in shown.getvalue()
+    assert "25.0%" in shown.getvalue()
+    piped = io.StringIO()                                    # not a terminal
+    bar = ProgressBar(stream=piped, delay=0, interval=0)
+    bar(Progress(done=3, total=10, steps=7, prompt_tokens=100, cached_tokens=25))
+    bar.close()
+    assert piped.getvalue() == ""
+
+
+def test_check_passes_every_bundled_fixture():
+    proc = cli("check", "fixtures/")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    n = len(list(SCENARIOS.glob("*.yaml"))) + len(list((REPO / "fixtures" / "traces").iterdir()))
+    assert proc.stdout.count("PASS ") == n
+    assert "FAIL" not in proc.stdout
+
+
+def test_failing_check_then_update_golden(tmp_path):
+    scenario = tmp_path / "s.yaml"
+    text = (SCENARIOS / "vllm51295_turn1_24577.yaml").read_text()
+    assert "turn2: {num_cached_tokens: 24448}" in text
+    scenario.write_text(text.replace("turn2: {num_cached_tokens: 24448}",
+                                     "turn2: {num_cached_tokens: 23040}"))
+    proc = cli("check", str(scenario))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL" in proc.stdout
+    assert "first divergence: request turn2" in proc.stdout
+    assert "expected 23040, got 24448" in proc.stdout
+    assert "over by 1408 tokens = 11 prefix-match unit(s) of 128" in proc.stdout
+
+    before = scenario.read_text()
+    proc = cli("check", "--update-golden", str(scenario))
+    assert proc.returncode == 1                     # a rewrite is always reviewed
+    assert "UPDATED" in proc.stdout
+    after = scenario.read_text()
+    assert "turn2: {num_cached_tokens: 24448}" in after
+    # Only the expect block changed: description and engine are kept byte for byte.
+    assert after.split("expect:")[0] == before.split("expect:")[0]
+
+    proc = cli("check", str(scenario))
+    assert proc.returncode == 0, proc.stdout
+    assert "PASS" in proc.stdout
+
+
+def test_trace_without_goldens_fails_check(tmp_path):
+    out = write_trace(compile_scenario(SCENARIOS / "reset_prefix_cache.yaml"), tmp_path / "t")
+    shutil.rmtree(out / "golden")
+    proc = cli("check", str(out))
+    assert proc.returncode == 1
+    assert "no goldens for engine vllm==0.33.0" in proc.stdout
+
+
+def test_json_is_byte_identical_whatever_the_shell_hash_seed(tmp_path):
+    engine = tmp_path / "engine.yaml"
+    engine.write_text(textwrap.dedent("""\
+        engine:
+          block_size: 32
+          kv_groups: [{kind: full_attention}]
+          speculative: {method: eagle, num_speculative_tokens: 2}
+          max_num_batched_tokens: 8192
+          max_num_seqs: 64
+          num_gpu_blocks: 6000
+        """))
+    trace = tmp_path / "conv"
+    proc = cli("import", "mooncake", str(CONVERSATION), "-o", str(trace), "--limit", "120",
+               "--engine", str(engine))
+    assert proc.returncode == 0, proc.stderr
+    outs = []
+    for seed in ("1", "random"):
+        out = tmp_path / f"out-{seed}.json"
+        proc = cli("run", str(trace), "--json", str(out), env={"PYTHONHASHSEED": seed})
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr == ""                    # vLLM stays quiet without --verbose
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    data = json.loads(outs[0])
+    assert data["engine"] == {"vllm": "0.33.0", "source": "installed"}
+    assert data["summary"]["requests"] == 120 == len(data["requests"])
+    assert [r["id"] for r in data["requests"]] == [str(i) for i in range(120)]
+    for r in data["requests"]:
+        assert set(r) >= {"id", "num_prompt_tokens", "num_cached_tokens",
+                          "num_local_cached_tokens", "num_external_cached_tokens"}
+    assert data["summary"]["cached_tokens"] == sum(r["num_cached_tokens"] for r in data["requests"])
+    assert data["summary"]["cached_tokens"] > 0
+
+
+def test_engine_that_cannot_hold_one_request_is_bad_input(tmp_path):
+    path = tmp_path / "nofit.yaml"
+    path.write_text(textwrap.dedent("""\
+        engine: {block_size: 16, num_gpu_blocks: 8}
+        requests:
+          - {id: big, prompt: [{stream: doc, len: 3000}]}
+        """))
+    proc = cli("run", str(path))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("replayer: error: vLLM 0.33.0 cannot build")
