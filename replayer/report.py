@@ -65,6 +65,7 @@ def explain_gap(expected: int, actual: int, engine: dict[str, Any]) -> str:
 
 def check_report(target: str, engine_key: str, golden_key: str, mismatches: list[Mismatch],
                  result: ReplayResult, engine: dict[str, Any], checked: int) -> str:
+    golden_key = "any engine" if golden_key == "*" else golden_key
     if not mismatches:
         return (f"PASS {target}: {checked} request(s) match the goldens for {golden_key} "
                 f"(engine {engine_key})")
