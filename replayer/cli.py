@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="engine to replay on (default: the installed vLLM)")
         sp.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
         sp.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+        sp.add_argument("--store", default="memory", metavar="BACKEND",
+                        help="store for a trace with a connector: memory (default), mooncake "
+                             "(starts a mooncake_master on loopback) or mooncake://HOST:PORT")
 
     run = sub.add_parser("run", help="replay a scenario or trace and print its hits")
     run.add_argument("target", help="scenario .yaml or trace directory")
@@ -82,9 +85,15 @@ def _replay(target, args):
     from .progress import ProgressBar
     from .replay import replay
 
+    from .store import parse_store_spec
+
+    try:
+        store = parse_store_spec(args.store)
+    except ValueError as exc:
+        raise TraceError("--store", str(exc).split(": ", 1)[-1]) from None
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
-        return replay(target, engine_spec=args.engine, progress=bar)
+        return replay(target, engine_spec=args.engine, progress=bar, store=store)
     finally:
         bar.close()
 
@@ -231,10 +240,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_vllm(getattr(args, "verbose", False))
     from .engines import EngineError
     from .replay import ReplayError
+    from .store import StoreError
 
     try:
         return COMMANDS[args.command](args)
-    except (TraceError, EngineError, ReplayError) as exc:
+    except (TraceError, EngineError, ReplayError, StoreError) as exc:
         return _err(str(exc))
     except KeyboardInterrupt:
         return 130

@@ -46,6 +46,8 @@ class ReplayResult:
     engine: EngineInfo
     requests: list[dict[str, Any]]
     steps: int
+    # Store operations and lookups when the trace has a connector (see store_json).
+    store: dict[str, Any] | None = None
     # Timings: never part of the deterministic output.
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -58,8 +60,22 @@ class ReplayResult:
                 "steps": self.steps}
 
     def as_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine.as_dict(), "requests": self.requests,
-                "summary": self.summary()}
+        out = {"engine": self.engine.as_dict(), "requests": self.requests,
+               "summary": self.summary()}
+        if self.store is not None:
+            out["store"] = store_json(self.store)
+        return out
+
+
+def store_json(report: dict[str, Any]) -> dict[str, Any]:
+    """The store part of ``--json``: keys put in order, lookup hit lengths."""
+    rows = report["rows"]
+    return {"backend": report["backend"],
+            "puts": [r["key"] for r in rows if r["op"] == "put" and r["result"] >= 0],
+            "lookups": [{"request": x["request"], "num_tokens": x["num_tokens"],
+                         "hit_length": x["hit_length"]} for x in report["lookups"]],
+            "ops": {op: sum(1 for r in rows if r["op"] == op)
+                    for op in sorted({r["op"] for r in rows})}}
 
 
 def default_max_model_len(trace: Trace, extra: int) -> int:
@@ -91,7 +107,7 @@ def resolved_engine(trace: Trace) -> tuple[dict[str, Any], int, int]:
 
 def replay(trace: Trace, engine_spec: str = "installed",
            progress: Callable[[Progress], None] | None = None,
-           engine: EngineAdapter | None = None) -> ReplayResult:
+           engine: EngineAdapter | None = None, store: Any = None) -> ReplayResult:
     """Replay ``trace`` and collect what vLLM reported for every request."""
     t_start = time.perf_counter()
     header_engine, max_len, n_spec = resolved_engine(trace)
@@ -104,7 +120,7 @@ def replay(trace: Trace, engine_spec: str = "installed",
     owns_engine = engine is None
     if engine is None:
         with engine_hash_seed(header_engine):
-            engine = open_engine(header_engine, max_len, engine_spec)
+            engine = open_engine(header_engine, max_len, engine_spec, store=store)
     t_ready = time.perf_counter()
     n = len(rows.ids)
     index = {rid: i for i, rid in enumerate(rows.ids)}
@@ -211,6 +227,7 @@ def replay(trace: Trace, engine_spec: str = "installed",
                     add(j)
             if progress is not None:
                 progress(Progress(done, n, steps_run, prompt_done, cached_done))
+        report = getattr(engine, "store_report", lambda: None)()
     finally:
         vllm_s = engine.vllm_seconds()
         if owns_engine:
@@ -221,6 +238,6 @@ def replay(trace: Trace, engine_spec: str = "installed",
         raise ReplayError(f"requests never arrived: {unfinished[:5]} (an 'after' chain that "
                           "never completes?)")
     out = [results[i] for i in order]
-    return ReplayResult(engine=engine.info, requests=out, steps=steps_run, timings={
+    return ReplayResult(engine=engine.info, requests=out, steps=steps_run, store=report, timings={
         "startup_s": t_ready - t_start, "loop_s": t_end - t_ready, "wall_s": t_end - t_start,
         "vllm_s": vllm_s})

@@ -33,8 +33,14 @@ ENGINE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "long_prefill_token_threshold": ((int,), "SchedulerConfig field"),
     "async_scheduling": ((bool,), "SchedulerConfig flag (default false here)"),
     "vocab_size": ((int,), "vocabulary of the synthetic tokens (default 32000)"),
-    "connector": ((str, type(None)), "KV connector name (none yet supported: issue 3)"),
+    "connector": ((str, type(None)), "KV connector: mooncake_store (omitted: none)"),
+    "connector_config": ((dict,), "the connector's extra config, by vLLM's names"),
 }
+
+CONNECTORS = ("mooncake_store",)
+# MooncakeStoreConnector's kv_connector_extra_config keys the replay honours.
+CONNECTOR_CONFIG_KEYS = ("load_async", "lookup_async", "save_decode_cache", "enable_lookup",
+                         "cache_prefix", "enable_group_semantics")
 
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "disable_lookahead_block_hashes")
 SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp")
@@ -71,8 +77,15 @@ def validate_engine(where: str, engine: Any) -> dict[str, Any]:
     if out.get("mamba_cache_mode", "align") not in ("align", "none"):
         raise TraceError(where, f"engine.mamba_cache_mode must be 'align' or 'none', "
                                 f"got {out['mamba_cache_mode']!r}")
-    if out.get("connector") is not None:
-        raise TraceError(where, f"engine.connector {out['connector']!r} is not supported yet")
+    if out.get("connector") is not None and out["connector"] not in CONNECTORS:
+        raise TraceError(where, f"engine.connector {out['connector']!r} is not supported "
+                                f"(known: {', '.join(CONNECTORS)})")
+    if "connector_config" in out and not out.get("connector"):
+        raise TraceError(where, "engine.connector_config needs engine.connector")
+    for k, v in (out.get("connector_config") or {}).items():
+        if k not in CONNECTOR_CONFIG_KEYS:
+            raise TraceError(where, f"unknown key {k!r} in engine.connector_config "
+                                    f"(known: {', '.join(CONNECTOR_CONFIG_KEYS)})")
     groups = out.get("kv_groups", [{"kind": "full_attention"}])
     if not groups:
         raise TraceError(where, "engine.kv_groups must list at least one group")

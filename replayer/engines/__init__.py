@@ -38,13 +38,18 @@ def adapter_module_for(version: str) -> str:
                       f"{', '.join(p + '.x' for p in ADAPTERS)})")
 
 
-def open_engine(engine: dict[str, Any], max_model_len: int, spec: str = "installed") -> EngineAdapter:
-    """Build the engine named by ``spec`` (only ``installed`` for now)."""
+def open_engine(engine: dict[str, Any], max_model_len: int, spec: str = "installed",
+                store: Any = None) -> EngineAdapter:
+    """Build the engine named by ``spec`` (only ``installed`` for now).
+
+    ``store`` is a :class:`replayer.store.StoreSpec` for traces with a connector."""
     if spec != "installed":
         raise EngineError(f"engine {spec!r}: only 'installed' is supported in this release")
     version = installed_vllm_version()
     module = importlib.import_module(adapter_module_for(version))
     try:
+        if engine.get("connector"):
+            return module.open_engine(engine, max_model_len, version, store=store)
         return module.open_engine(engine, max_model_len, version)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         # vLLM validates geometry with ValueError/AssertionError: say it in one line.

@@ -42,7 +42,7 @@ DRAFT_MODEL = MODELS / "tiny-eagle"
 
 VERSIONS = ("0.33",)          # release range this adapter serves
 DEFAULT_BLOCK_SIZE = 16       # CacheConfig.DEFAULT_BLOCK_SIZE in 0.33
-HEAD_SIZE = 32                # of the largest-block attention group; others scale
+HEAD_SIZE = 4                 # of the largest-block attention group; others scale (small pages keep KV buffers small)
 DTYPE = torch.float16
 
 
@@ -63,6 +63,7 @@ class NullExecutor(Executor):
     supports_pp = False
     # Set by the adapter before construction (EngineCore builds the executor).
     layer_specs: dict[str, KVCacheSpec] = {}
+    store_session = None    # a mooncake_0_33.StoreSession when the trace has a connector
 
     def _init_executor(self) -> None:
         self.adapter: "Vllm033Engine | None" = None
@@ -94,6 +95,10 @@ class NullExecutor(Executor):
 
     def _rpc_initialize_from_config(self, kv_cache_configs: Any) -> None:
         self.kv_cache_configs = kv_cache_configs
+        if self.store_session is not None:
+            # The worker-side connector, as a GPU worker creates it.
+            self.store_session.init_worker(self.vllm_config, kv_cache_configs[0],
+                                           NullExecutor.boundary_of)
 
     def _rpc_get_kv_connector_handshake_metadata(self) -> None:
         return None
@@ -218,9 +223,14 @@ def build_vllm_config(engine: dict[str, Any], max_model_len: int) -> VllmConfig:
             disable_lookahead_block_hashes=bool(spec_cfg.get("disable_lookahead_block_hashes",
                                                              False)),
             target_model_config=model, target_parallel_config=parallel)
+    kv_transfer = None
+    if engine.get("connector"):
+        from .mooncake_0_33 import kv_transfer_config
+
+        kv_transfer = kv_transfer_config(engine)
     config = VllmConfig(model_config=model, cache_config=cache, parallel_config=parallel,
                         scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"),
-                        speculative_config=speculative)
+                        speculative_config=speculative, kv_transfer_config=kv_transfer)
     # On a platform vLLM does not know (CPU without its kernels) it turns the
     # hybrid KV-cache manager off; production GPUs keep it on.
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -247,15 +257,34 @@ class _Timed:
 class Vllm033Engine:
     """The real EngineCore, driven one step at a time by the replay loop."""
 
-    def __init__(self, engine: dict[str, Any], max_model_len: int, version: str) -> None:
+    def __init__(self, engine: dict[str, Any], max_model_len: int, version: str,
+                 store=None) -> None:
         self.info = EngineInfo(vllm=version)
         NullExecutor.layer_specs = layer_specs(engine)
         self.config = build_vllm_config(engine, max_model_len)
-        self.core = EngineCore(self.config, NullExecutor, log_stats=True)
+        self.session = None
+        self._boundaries: dict[str, int] = {}
+        self._step = 0
+        if engine.get("connector"):
+            from ..store import StoreSpec
+            from .mooncake_0_33 import StoreSession
+
+            self.session = StoreSession(store or StoreSpec("memory"))
+        NullExecutor.store_session = self.session
+        NullExecutor.boundary_of = staticmethod(self._boundaries.get)
+        try:
+            self.core = EngineCore(self.config, NullExecutor, log_stats=True)
+        except BaseException:
+            if self.session is not None:
+                self.session.close()
+            raise
         executor = self.core.model_executor
         assert isinstance(executor, NullExecutor)
         executor.adapter = self
         self.scheduler = self.core.scheduler
+        self._hash_block_size = self.scheduler.kv_cache_config.hash_block_size or 1
+        if self.session is not None:
+            self.session.attach_scheduler(self.scheduler)
         self._schedule = _Timed(self.scheduler.schedule)
         self._update = _Timed(self.scheduler.update_from_output)
         self.scheduler.schedule = self._schedule  # type: ignore[method-assign]
@@ -268,8 +297,9 @@ class Vllm033Engine:
     def _model_output(self, so) -> ModelRunnerOutput:
         scheduled = so.num_scheduled_tokens
         self._sampled = []
+        kv_out = self.session.execute(so, self.config) if self.session is not None else None
         if not scheduled:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
         requests = self.scheduler.requests
         spec = so.scheduled_spec_decode_tokens
         req_ids = list(scheduled)
@@ -287,7 +317,7 @@ class Vllm033Engine:
                 sampled.append([])
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
+                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
 
     def _drafts(self) -> DraftTokenIds | None:
         if not self.num_spec or not self._sampled:
@@ -313,11 +343,21 @@ class Vllm033Engine:
             sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
             cache_salt=request.cache_salt, data_parallel_rank=None)
         req, wave = self.core.preprocess_add_request(ecr)
+        if self.session is not None:
+            # Store keys name block hashes; remember which token boundary each is.
+            hbs = self._hash_block_size
+            for i, h in enumerate(req.block_hashes):
+                self._boundaries.setdefault(bytes(h).hex(), (i + 1) * hbs)
         self.core.add_request(req, wave)
 
     def step(self) -> StepResult:
+        if self.session is not None:
+            self.session.recorder.step = self._step
+        self._step += 1
         outputs, executed = self.core.step()
         self.core.post_step(executed)
+        if self.session is not None:
+            self.session.check()
         result = StepResult(executed=executed)
         for eco in outputs.values():
             for out in eco.outputs:
@@ -337,7 +377,16 @@ class Vllm033Engine:
         return self.scheduler.has_requests()
 
     def reset_prefix_cache(self) -> bool:
+        # The GPU-side cache only: the store keeps its keys, as in production.
         return self.core.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
+
+    def store_report(self) -> dict[str, Any] | None:
+        """Store operations recorded so far (None without a connector)."""
+        if self.session is None:
+            return None
+        ops = self.session.recorder.ops
+        return {"backend": self.session.spec.kind, "rows": list(ops.rows),
+                "lookups": list(ops.lookups)}
 
     def abort(self, request_id: str) -> None:
         self.core.abort_requests([request_id])
@@ -351,7 +400,10 @@ class Vllm033Engine:
             self.core.shutdown()
         except Exception:  # noqa: BLE001 - shutdown of a null executor has nothing to lose
             pass
+        if self.session is not None:
+            self.session.close()
 
 
-def open_engine(engine: dict[str, Any], max_model_len: int, version: str) -> Vllm033Engine:
-    return Vllm033Engine(engine, max_model_len, version)
+def open_engine(engine: dict[str, Any], max_model_len: int, version: str,
+                store=None) -> Vllm033Engine:
+    return Vllm033Engine(engine, max_model_len, version, store=store)

@@ -1,0 +1,130 @@
+"""Every store operation as a row of ``store_ops``, whichever backend runs.
+
+:class:`RecordingStore` sits between vLLM's MooncakeStore worker and the
+backend (the in-memory store or the real Mooncake client), forwards each call
+unchanged and records it: order, step, rank, op, key, group, token boundary,
+bytes, result. It also checksums each value put and each value got back, so a
+replay over the real master proves the bytes read equal the bytes written.
+Failures (a negative code other than OBJECT_NOT_FOUND on a get or exists) are
+kept and raised by the replay loop after the step, naming the store and step:
+never a silent pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .codes import OBJECT_NOT_FOUND, code_name
+
+_GROUP = re.compile(r"@group:(\d+)@")
+
+
+def key_group(key: str) -> int | None:
+    m = _GROUP.search(key)
+    return int(m.group(1)) if m else None
+
+
+def key_hash(key: str) -> str:
+    return key.rsplit("@", 1)[-1]
+
+
+def _crc(addrs: list[int], sizes: list[int]) -> int:
+    crc = 0
+    for a, n in zip(addrs, sizes):
+        crc = zlib.crc32(ctypes.string_at(a, n), crc)
+    return crc
+
+
+@dataclass
+class StoreOps:
+    """The recorded operations, in the order the store saw them."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    # request id -> lookup results, in order
+    lookups: list[dict[str, Any]] = field(default_factory=list)
+
+
+class RecordingStore:
+    """A pass-through wrapper around a Mooncake-like store object."""
+
+    def __init__(self, inner: Any, label: str, rank: int = 0,
+                 boundary_of: Callable[[str], int | None] | None = None) -> None:
+        self._inner = inner
+        self.label = label
+        self.rank = rank
+        self.step = 0
+        self.phase = "exists"          # "lookup" while the scheduler's lookup runs
+        self.ops = StoreOps()
+        self.boundary_of = boundary_of or (lambda h: None)
+        self._lock = threading.Lock()
+        self._put_crc: dict[str, int] = {}
+        if hasattr(inner, "on_evict"):
+            inner.on_evict = self._evicted
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    # -- recording ----------------------------------------------------
+    def _row(self, op: str, key: str | None, nbytes: int | None, result: int | None) -> None:
+        h = key_hash(key) if key else None
+        with self._lock:
+            self.ops.rows.append({
+                "order": len(self.ops.rows), "step": self.step, "rank": self.rank, "op": op,
+                "key": key, "group": key_group(key) if key else None,
+                "boundary": self.boundary_of(h) if h else None,
+                "bytes": nbytes, "result": result})
+
+    def _fail(self, what: str) -> None:
+        with self._lock:
+            self.ops.failures.append(f"store {self.label}: {what} at step {self.step}")
+
+    def _evicted(self, key: str, nbytes: int) -> None:
+        self._row("evict", key, nbytes, 0)
+
+    # -- the calls vLLM's worker makes -----------------------------------
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        res = self._inner.batch_is_exist(keys)
+        op = self.phase
+        for k, r in zip(keys, res):
+            self._row(op, k, None, int(r))
+            if r < 0:
+                self._fail(f"{op} of {k} returned {code_name(int(r))}")
+        return res
+
+    def batch_put_from_multi_buffers(self, keys, addrs, sizes, *args: Any) -> list[int]:
+        crcs = [_crc(a, s) for a, s in zip(addrs, sizes)]
+        res = self._inner.batch_put_from_multi_buffers(keys, addrs, sizes, *args)
+        for k, s, c, r in zip(keys, sizes, crcs, res):
+            self._row("put", k, sum(s), int(r))
+            if r < 0:
+                self._fail(f"put of {k} returned {code_name(int(r))}")
+            else:
+                self._put_crc.setdefault(k, c)
+        return res
+
+    def batch_get_into_multi_buffers(self, keys, addrs, sizes, *args: Any) -> list[int]:
+        res = self._inner.batch_get_into_multi_buffers(keys, addrs, sizes, *args)
+        for k, a, s, r in zip(keys, addrs, sizes, res):
+            self._row("get", k, sum(s), int(r))
+            if r < 0 and r != OBJECT_NOT_FOUND:
+                self._fail(f"get of {k} returned {code_name(int(r))}")
+            elif r >= 0 and k in self._put_crc and _crc(a, s) != self._put_crc[k]:
+                self._fail(f"get of {k} read back bytes that differ from the put")
+        return res
+
+    def remove_all(self, *args: Any, **kwargs: Any) -> int:
+        res = self._inner.remove_all(*args, **kwargs)
+        self._row("remove_all", None, None, int(res))
+        self._put_crc.clear()
+        return res
+
+    def take_failures(self) -> list[str]:
+        with self._lock:
+            out, self.ops.failures = self.ops.failures, []
+        return out
