@@ -25,9 +25,14 @@ def _quiet_vllm(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if verbose:
+        os.environ["PREFIX_REPLAYER_VERBOSE"] = "1"
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_LOGS", "-torch")
+    # Mooncake's C++ client and master (glog before init, then its own levels).
+    os.environ.setdefault("GLOG_minloglevel", "3")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("MC_YLT_LOG_LEVEL", "error")
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
@@ -130,6 +135,7 @@ def _expand_targets(targets: Sequence[str]) -> list[Path]:
 def cmd_check(args) -> int:
     from traces.scenario import is_scenario_path
 
+    from . import store_check
     from .golden_update import update
     from .report import check_report
 
@@ -147,6 +153,10 @@ def cmd_check(args) -> int:
             label = "any engine" if written == "*" else written
             print(f"UPDATED {path}: goldens for {label} rewritten in {where} from engine "
                   f"{engine_key}; review the change before committing")
+            store_where = store_check.update(path, is_scenario_path(path),
+                                             load_target(path), result)
+            if store_where:
+                print(f"UPDATED {path}: store goldens rewritten in {store_where}")
             worst = EXIT_MISMATCH
             continue
         if chosen is None:
@@ -156,9 +166,13 @@ def cmd_check(args) -> int:
             continue
         golden_key, expect = chosen
         mismatches = compare(expect, result.requests)
-        print(check_report(str(path), engine_key, golden_key, mismatches, result,
-                           trace.engine, len(expect)))
-        if mismatches:
+        store_lines, store_ok = store_check.check(trace, result)
+        report = check_report(str(path), engine_key, golden_key, mismatches, result,
+                              trace.engine, len(expect))
+        if not store_ok and not mismatches:
+            report = "FAIL" + report[len("PASS"):] + ", but the store does not"
+        print("\n".join([report, *store_lines]))
+        if mismatches or not store_ok:
             worst = EXIT_MISMATCH
     return worst
 

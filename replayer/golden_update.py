@@ -49,9 +49,13 @@ def _expect_yaml(goldens: Goldens) -> str:
 
 
 def rewrite_scenario_expect(path: Path, goldens: Goldens) -> None:
+    rewrite_scenario_block(path, "expect", _expect_yaml(goldens))
+
+
+def rewrite_scenario_block(path: Path, name: str, block: str) -> None:
+    """Replace the top-level ``name:`` block of a YAML file (or append it)."""
     lines = path.read_text().splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if re.match(r"^expect\s*:", ln)), None)
-    block = _expect_yaml(goldens)
+    start = next((i for i, ln in enumerate(lines) if re.match(rf"^{name}\s*:", ln)), None)
     if start is None:
         text = "".join(lines)
         if text and not text.endswith("\n"):

@@ -22,7 +22,7 @@ from .tokens import stream_tokens
 from .trace import Trace
 from .validate import validate_trace
 
-TOP_KEYS = ("engine", "requests", "events", "expect", "description")
+TOP_KEYS = ("engine", "requests", "events", "expect", "expect_store", "description")
 REQUEST_KEYS = ("id", "prompt", "output_len", "after", "arrival_step", "cache_salt")
 SPAN_KEYS = ("stream", "start", "len")
 EVENT_KEYS = ("after", "at_step", "action", "target")
@@ -144,7 +144,9 @@ def compile_scenario(path: str | Path) -> Trace:
     if data.get("description") is not None:
         header["description"] = str(data["description"])
     trace = Trace(header=header, requests=requests, events=events, path=path,
-                  goldens=_expect(path, data.get("expect"), set(cols["id"])))
+                  goldens=_expect(path, data.get("expect"), set(cols["id"])),
+                  store_goldens=_expect_store(path, data.get("expect_store"), set(cols["id"]),
+                                              engine))
     validate_trace(path, trace)
     return trace
 
@@ -196,4 +198,50 @@ def _expect(path: Path, expect: Any, ids: set[str]) -> dict[str, dict[str, dict[
             for k, v in fields.items():
                 _int(path, f"expect.{rid}.{k}", v, 0)
             out[engine_key][rid] = dict(fields)
+    return out
+
+
+def _expect_store(path: Path, expect: Any, ids: set[str],
+                  engine: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``expect_store:`` -> {engine key: {"puts": {...}, "lookups": {...}}}.
+
+    Plain form applies to any engine; ``{"vllm==X": {...}}`` pins one.
+    """
+    if expect is None:
+        return {}
+    if not engine.get("connector"):
+        raise TraceError(path, "expect_store needs engine.connector")
+    if not isinstance(expect, dict):
+        raise TraceError(path, "expect_store must be a mapping")
+    keyed = bool(expect) and all(isinstance(k, str) and "==" in k for k in expect)
+    groups = expect if keyed else {ANY_ENGINE: expect}
+    out: dict[str, dict[str, Any]] = {}
+    for engine_key, body in groups.items():
+        where = "expect_store" if engine_key == ANY_ENGINE else f"expect_store[{engine_key!r}]"
+        if not isinstance(body, dict):
+            raise TraceError(path, f"{where} must be a mapping")
+        _unknown(path, where, body, ("puts", "lookups"))
+        puts: dict[str, dict[int, list[int]]] = {}
+        for rid, groups_ in (body.get("puts") or {}).items():
+            rid = str(rid)
+            if rid not in ids:
+                raise TraceError(path, f"{where}.puts names unknown request {rid!r}")
+            if not isinstance(groups_, dict):
+                raise TraceError(path, f"{where}.puts.{rid} must map group -> [boundaries]")
+            puts[rid] = {}
+            for g, bs in groups_.items():
+                g = _int(path, f"{where}.puts.{rid} group", g, 0)
+                if not isinstance(bs, list):
+                    raise TraceError(path, f"{where}.puts.{rid}.{g} must be a list of boundaries")
+                puts[rid][g] = [_int(path, f"{where}.puts.{rid}.{g}[]", b, 1) for b in bs]
+        lookups: dict[str, int] = {}
+        for rid, hit in (body.get("lookups") or {}).items():
+            rid = str(rid)
+            if rid not in ids:
+                raise TraceError(path, f"{where}.lookups names unknown request {rid!r}")
+            lookups[rid] = _int(path, f"{where}.lookups.{rid}", hit, 0)
+        entry: dict[str, Any] = {"lookups": lookups}
+        if "puts" in body:
+            entry["puts"] = puts
+        out[engine_key] = entry
     return out

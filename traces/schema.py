@@ -91,6 +91,8 @@ STORE_OPS = Table("store_ops", (
     Column("boundary", pa.int64(), nullable=True),
     Column("bytes", pa.int64(), nullable=True),
     Column("result", pa.int64(), nullable=True),
+    Column("request", pa.string(), required=False, nullable=True,
+           doc="first request whose prompt has this key's prefix"),
 ))
 
 # Golden expectations share the outcome columns; kept apart from recorded
@@ -102,3 +104,13 @@ GOLDEN = Table("golden", (OUTCOMES.columns[0],) + tuple(
 TABLES = {t.name: t for t in (REQUESTS, EVENTS, OUTCOMES, STEPS, STORE_OPS)}
 
 EVENT_ACTIONS = ("reset_prefix_cache", "abort")
+
+# Store goldens: which keys each request's prefix got written under, by group
+# and token boundary, and what each lookup hit. One table per engine.
+GOLDEN_STORE = Table("golden_store", (
+    Column("kind", pa.string(), doc="put | lookup"),
+    Column("request", pa.string()),
+    Column("group", pa.int64(), nullable=True),
+    Column("boundary", pa.int64(), nullable=True, doc="put: token boundary of the key"),
+    Column("hit_length", pa.int64(), nullable=True, doc="lookup: tokens the store had"),
+))

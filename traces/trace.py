@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import schema
+from . import schema, store_goldens
 from .errors import TraceError
 from .goldens import Goldens, expect_from_table, table_from_results
 from .validate import validate_header, validate_table, validate_trace
@@ -33,6 +33,8 @@ class Trace:
     store_ops: pa.Table | None = None
     # engine key (e.g. "vllm==0.33.0", or "*" for any) -> request id -> field -> value
     goldens: Goldens = field(default_factory=dict)
+    # engine key -> store golden (see traces.store_goldens); traces with a connector
+    store_goldens: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
 
     @property
@@ -43,10 +45,13 @@ class Trace:
         return getattr(self, name)
 
 
-def golden_file(engine_key: str) -> str:
+STORE_GOLDEN_PREFIX = "store-"
+
+
+def golden_file(engine_key: str, store: bool = False) -> str:
     """File name of one engine's golden table inside ``golden/``."""
     safe = engine_key.replace("==", "-").replace("/", "_").replace(":", "_")
-    return f"{safe}.parquet"
+    return f"{STORE_GOLDEN_PREFIX if store else ''}{safe}.parquet"
 
 
 def _write_table(path: Path, table: pa.Table) -> None:
@@ -73,6 +78,11 @@ def write_trace(trace: Trace, out_dir: str | os.PathLike) -> Path:
                 rows = [{"id": rid, **fields} for rid, fields in expect.items()]
                 _write_table(tmp / schema.GOLDEN_DIR / golden_file(key),
                              table_from_results(rows, key))
+        if trace.store_goldens:
+            (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
+            for key, expect in sorted(trace.store_goldens.items()):
+                _write_table(tmp / schema.GOLDEN_DIR / golden_file(key, store=True),
+                             store_goldens.to_table(expect, key))
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             if old.exists():
@@ -88,11 +98,12 @@ def write_trace(trace: Trace, out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def write_golden(trace_dir: str | os.PathLike, engine_key: str, table: pa.Table) -> Path:
-    """Replace one engine's golden table in a trace directory, atomically."""
+def write_golden(trace_dir: str | os.PathLike, engine_key: str, table: pa.Table,
+                 store: bool = False) -> Path:
+    """Replace one engine's golden table (or store golden) in a trace dir, atomically."""
     gdir = Path(trace_dir) / schema.GOLDEN_DIR
     gdir.mkdir(exist_ok=True)
-    target = gdir / golden_file(engine_key)
+    target = gdir / golden_file(engine_key, store=store)
     fd, tmp = tempfile.mkstemp(prefix=".golden.", dir=gdir)
     os.close(fd)
     try:
@@ -138,13 +149,19 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
         else:
             tables[name] = None
     goldens: Goldens = {}
+    store_gold: dict[str, Any] = {}
     gdir = root / schema.GOLDEN_DIR
     if gdir.is_dir():
         for path in sorted(gdir.glob("*.parquet")):
-            table = _read_table(path, schema.GOLDEN)
+            is_store = path.name.startswith(STORE_GOLDEN_PREFIX)
+            table = _read_table(path, schema.GOLDEN_STORE if is_store else schema.GOLDEN)
             meta = table.schema.metadata or {}
             key = meta.get(b"engine", path.stem.encode()).decode()
-            goldens[key] = expect_from_table(table)
-    trace = Trace(header=header, goldens=goldens, path=root, **tables)  # type: ignore[arg-type]
+            if is_store:
+                store_gold[key] = store_goldens.from_table(table)
+            else:
+                goldens[key] = expect_from_table(table)
+    trace = Trace(header=header, goldens=goldens, store_goldens=store_gold, path=root,
+                  **tables)  # type: ignore[arg-type]
     validate_trace(root, trace)
     return trace

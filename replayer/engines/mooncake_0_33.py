@@ -161,7 +161,7 @@ class StoreSession:
         _init_one_rank_world(vllm_config, self.tmp)
         if not torch.cuda.is_available():
             torch.cuda.Event = _NoopCudaEvent  # type: ignore[assignment,misc]
-        with self._store_module():
+        with self._store_module(), _start_up_log(self.tmp / "mooncake-client.log"):
             ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
         self.connector = get_kv_transfer_group()
         self.worker = self.connector.connector_worker
@@ -241,6 +241,24 @@ class StoreSession:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextmanager
+def _start_up_log(path: Path):
+    """The Mooncake client logs its start-up (glog, before any level applies) to
+    stderr; keep it in a file unless --verbose."""
+    if os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as fh:
+        os.dup2(fh.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _allocate_kv_caches(kv_cache_config: Any) -> dict[str, torch.Tensor]:

@@ -263,7 +263,7 @@ class Vllm033Engine:
         NullExecutor.layer_specs = layer_specs(engine)
         self.config = build_vllm_config(engine, max_model_len)
         self.session = None
-        self._boundaries: dict[str, int] = {}
+        self._boundaries: dict[str, tuple[int, str]] = {}
         self._step = 0
         if engine.get("connector"):
             from ..store import StoreSpec
@@ -344,10 +344,11 @@ class Vllm033Engine:
             cache_salt=request.cache_salt, data_parallel_rank=None)
         req, wave = self.core.preprocess_add_request(ecr)
         if self.session is not None:
-            # Store keys name block hashes; remember which token boundary each is.
+            # Store keys name block hashes; remember which token boundary each
+            # ends at, and the first request that had that prefix.
             hbs = self._hash_block_size
             for i, h in enumerate(req.block_hashes):
-                self._boundaries.setdefault(bytes(h).hex(), (i + 1) * hbs)
+                self._boundaries.setdefault(bytes(h).hex(), ((i + 1) * hbs, request.id))
         self.core.add_request(req, wave)
 
     def step(self) -> StepResult:

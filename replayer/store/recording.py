@@ -54,7 +54,7 @@ class RecordingStore:
     """A pass-through wrapper around a Mooncake-like store object."""
 
     def __init__(self, inner: Any, label: str, rank: int = 0,
-                 boundary_of: Callable[[str], int | None] | None = None) -> None:
+                 boundary_of: Callable[[str], tuple[int, str] | None] | None = None) -> None:
         self._inner = inner
         self.label = label
         self.rank = rank
@@ -72,13 +72,14 @@ class RecordingStore:
 
     # -- recording ----------------------------------------------------
     def _row(self, op: str, key: str | None, nbytes: int | None, result: int | None) -> None:
-        h = key_hash(key) if key else None
+        site = self.boundary_of(key_hash(key)) if key else None
+        boundary, request = site if site else (None, None)
         with self._lock:
             self.ops.rows.append({
                 "order": len(self.ops.rows), "step": self.step, "rank": self.rank, "op": op,
                 "key": key, "group": key_group(key) if key else None,
-                "boundary": self.boundary_of(h) if h else None,
-                "bytes": nbytes, "result": result})
+                "boundary": boundary, "bytes": nbytes, "result": result,
+                "request": request})
 
     def _fail(self, what: str) -> None:
         with self._lock:
