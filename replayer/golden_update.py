@@ -26,7 +26,11 @@ def updated_goldens(goldens: Goldens, golden_key: str,
     by_id = {r["id"]: r for r in results}
     old = goldens.get(golden_key)
     if not old:
-        return {r["id"]: {"num_cached_tokens": r["num_cached_tokens"]} for r in results}
+        # Where a store served hits, the split between GPU and store is the point.
+        fields = ["num_cached_tokens"]
+        if any(r.get("num_external_cached_tokens") for r in results):
+            fields += ["num_local_cached_tokens", "num_external_cached_tokens"]
+        return {r["id"]: {f: r[f] for f in fields} for r in results}
     return {rid: {f: by_id[rid][f] for f in fields} for rid, fields in old.items()
             if rid in by_id}
 

@@ -273,19 +273,22 @@ def _allocate_kv_caches(kv_cache_config: Any) -> dict[str, torch.Tensor]:
     return caches
 
 
-_WORLD_READY = False
-
-
 def _init_one_rank_world(vllm_config: VllmConfig, tmp: Path) -> None:
-    """A real single-rank gloo world, so vLLM's rank helpers answer rank 0 of 1."""
-    global _WORLD_READY
-    if _WORLD_READY:
-        return
+    """A real single-rank gloo world, so vLLM's rank helpers answer rank 0 of 1.
+
+    EngineCore's shutdown tears the groups down, so each engine builds them anew.
+    """
+    import torch.distributed as dist
+
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
+    if model_parallel_is_initialized():
+        return
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tmp}/dist-init")
+        if not dist.is_initialized():
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"file://{tmp}/dist-init-{os.getpid()}")
         initialize_model_parallel(1, 1)
-    _WORLD_READY = True
