@@ -50,10 +50,15 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--store", default="memory", metavar="BACKEND",
                         help="store for a trace with a connector: memory (default), mooncake "
                              "(starts a mooncake_master on loopback) or mooncake://HOST:PORT")
+        sp.add_argument("--store-capacity", metavar="SIZE",
+                        help="store pool size, e.g. 64MB (memory: oldest keys evicted first; "
+                             "mooncake: the master's segment)")
 
     run = sub.add_parser("run", help="replay a scenario or trace and print its hits")
     run.add_argument("target", help="scenario .yaml or trace directory")
     run.add_argument("--json", metavar="OUT", help="write results as JSON ('-' for stdout)")
+    run.add_argument("--store-ops", metavar="OUT.parquet",
+                     help="write every store operation as a store_ops table (connector traces)")
     engine_opts(run)
 
     check = sub.add_parser("check", help="replay targets and compare with their goldens")
@@ -93,9 +98,13 @@ def _replay(target, args):
     from .store import parse_store_spec
 
     try:
-        store = parse_store_spec(args.store)
+        store = parse_store_spec(args.store, args.store_capacity)
     except ValueError as exc:
         raise TraceError("--store", str(exc).split(": ", 1)[-1]) from None
+    if store.host is not None and target.engine.get("connector"):
+        from .store.master import wait_reachable
+
+        wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
         return replay(target, engine_spec=args.engine, progress=bar, store=store)
@@ -107,8 +116,15 @@ def cmd_run(args) -> int:
     from .report import dumps, run_table, write_atomic
 
     trace = load_target(args.target)
+    if args.store_ops and not trace.engine.get("connector"):
+        raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
     result = _replay(trace, args)
     print(run_table(result))
+    if args.store_ops:
+        from traces.trace import write_table_atomic
+        from traces import schema
+
+        write_table_atomic(args.store_ops, schema.STORE_OPS, result.store["rows"])
     if args.json == "-":
         sys.stdout.write(dumps(result))
     elif args.json:

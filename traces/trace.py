@@ -115,6 +115,23 @@ def write_golden(trace_dir: str | os.PathLike, engine_key: str, table: pa.Table,
     return target
 
 
+def write_table_atomic(path: str | os.PathLike, spec: schema.Table,
+                       rows: list[dict[str, Any]]) -> Path:
+    """One table from rows, written under a temporary name and renamed."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows, schema=spec.arrow_schema())
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        _write_table(Path(tmp), table)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
 def _read_table(path: Path, spec: schema.Table) -> pa.Table:
     try:
         table = pq.read_table(path)

@@ -53,7 +53,7 @@ from ..store.memory import MemoryStore, ReplicateConfig
 from ..store.recording import RecordingStore
 
 CONNECTOR_NAMES = {"mooncake_store": "MooncakeStoreConnector"}
-SEGMENT_BYTES = 512 * 1024 * 1024
+SEGMENT_BYTES = 512 * 1024 * 1024          # the real master's pool, unless --store-capacity
 LOCAL_BUFFER_BYTES = 64 * 1024 * 1024
 
 
@@ -136,7 +136,8 @@ class StoreSession:
             self.label = "memory"
         config = {"metadata_server": "P2PHANDSHAKE", "master_server_address": address,
                   "protocol": "tcp", "device_name": "", "mode": "embedded",
-                  "global_segment_size": SEGMENT_BYTES, "local_buffer_size": LOCAL_BUFFER_BYTES}
+                  "global_segment_size": spec.capacity_bytes or SEGMENT_BYTES,
+                  "local_buffer_size": LOCAL_BUFFER_BYTES}
         cfg_path = self.tmp / "mooncake.json"
         cfg_path.write_text(json.dumps(config))
         self._set_env({

@@ -20,6 +20,7 @@ from pathlib import Path
 from .codes import StoreError
 
 READY_TIMEOUT_S = 10.0
+REACH_TIMEOUT_S = 5.0
 
 
 def free_port() -> int:
@@ -37,7 +38,7 @@ def master_binary() -> str:
     return found
 
 
-def wait_reachable(host: str, port: int, timeout: float = READY_TIMEOUT_S) -> None:
+def wait_reachable(host: str, port: int, timeout: float = REACH_TIMEOUT_S) -> None:
     """TCP-connect to the master's RPC port, or fail within ``timeout``."""
     deadline = time.monotonic() + timeout
     last: OSError | None = None

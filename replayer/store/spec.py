@@ -20,7 +20,34 @@ class StoreSpec:
         return f"mooncake://{self.host}:{self.port}"
 
 
-def parse_store_spec(text: str) -> StoreSpec:
+_UNITS = {"": 1, "b": 1, "kb": 1024, "mb": 1024 ** 2, "gb": 1024 ** 3}
+
+
+def parse_size(text: str) -> int:
+    """``64MB``, ``1.5GB``, ``4096`` -> bytes."""
+    t = text.strip().lower()
+    num = t.rstrip("kmgb")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in _UNITS or value <= 0:
+        raise ValueError(f"--store-capacity {text!r}: expected a size such as 64MB or 2GB")
+    return int(value * _UNITS[unit])
+
+
+def parse_store_spec(text: str, capacity: str | None = None) -> StoreSpec:
+    spec = _parse_store_spec(text)
+    if capacity is None:
+        return spec
+    if spec.host is not None:
+        raise ValueError("--store-capacity applies to a store the replayer starts, not to "
+                         f"{spec.label()}")
+    return StoreSpec(spec.kind, capacity_bytes=parse_size(capacity))
+
+
+def _parse_store_spec(text: str) -> StoreSpec:
     if text == "memory":
         return StoreSpec("memory")
     if text == "mooncake":
