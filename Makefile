@@ -8,9 +8,10 @@ STAMP  := $(VENV)/.installed
 .PHONY: demo test bench clean-venv
 
 $(STAMP): pyproject.toml
+	scripts/system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,mooncake]'
 	touch $(STAMP)
 
 # Replay the bundled #51295 fixture through vLLM's real scheduler and check it.
@@ -19,7 +20,7 @@ demo: $(STAMP)
 
 # The test suite CI runs.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	PY=$(BIN)/python scripts/run-tests.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/replay_conversation.py

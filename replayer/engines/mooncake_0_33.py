@@ -134,9 +134,10 @@ class StoreSession:
         else:
             address = "127.0.0.1:1"      # never contacted
             self.label = "memory"
+        self._segment = spec.capacity_bytes or SEGMENT_BYTES
         config = {"metadata_server": "P2PHANDSHAKE", "master_server_address": address,
                   "protocol": "tcp", "device_name": "", "mode": "embedded",
-                  "global_segment_size": spec.capacity_bytes or SEGMENT_BYTES,
+                  "global_segment_size": self._segment,
                   "local_buffer_size": LOCAL_BUFFER_BYTES}
         cfg_path = self.tmp / "mooncake.json"
         cfg_path.write_text(json.dumps(config))
@@ -162,8 +163,14 @@ class StoreSession:
         _init_one_rank_world(vllm_config, self.tmp)
         if not torch.cuda.is_available():
             torch.cuda.Event = _NoopCudaEvent  # type: ignore[assignment,misc]
-        with self._store_module(), _start_up_log(self.tmp / "mooncake-client.log"):
-            ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
+        log = self.tmp / "mooncake-client.log"
+        try:
+            with self._store_module(), _start_up_log(log):
+                ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
+        except RuntimeError as exc:
+            raise StoreError(f"store {self.label}: could not start the Mooncake client "
+                             f"({exc}; is the pool of {self._segment} bytes too small? "
+                             f"client log: {log})") from None
         self.connector = get_kv_transfer_group()
         self.worker = self.connector.connector_worker
         self.recorder = RecordingStore(self.worker.store, self.label, boundary_of=boundary_of)

@@ -1,0 +1,184 @@
+"""MooncakeStore replay against a real ``mooncake_master`` on loopback.
+
+These start the master the CI installs (mooncake-transfer-engine-non-cuda).
+They never skip: without a master they fail. CI runs them inside a private
+network namespace, so nothing listens beyond the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from traces import load_target
+from traces.goldens import compare, select
+from traces.store_goldens import compare_store
+
+pytestmark = pytest.mark.real_master
+
+REPO = Path(__file__).resolve().parents[1]
+STORE_FIXTURES = sorted((REPO / "fixtures" / "store").glob("*.yaml"))
+
+
+def cli(*args: str, timeout: float = 600):
+    return subprocess.run([sys.executable, "-m", "replayer", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def api():
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_LOGS", "-torch")
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    from replayer.replay import replay
+    from replayer.store import StoreError, StoreSpec
+    from replayer.store.master import MasterProcess
+    from replayer.store_check import actual
+
+    return replay, StoreSpec, StoreError, MasterProcess, actual
+
+
+@pytest.fixture(scope="module")
+def master(api):
+    m = api[3]()
+    yield m
+    m.close()
+
+
+def without_backend(result) -> dict:
+    d = result.as_dict()
+    d["store"].pop("backend")
+    return d
+
+
+@pytest.mark.parametrize("fixture", STORE_FIXTURES, ids=lambda p: p.stem)
+def test_real_master_and_memory_store_agree_and_match_goldens(api, master, fixture):
+    replay, StoreSpec, _, _, actual = api
+    trace = load_target(fixture)
+    on_memory = replay(trace, store=StoreSpec("memory"))
+    held: set[str] = set()
+
+    def snapshot(progress):        # while the worker's segment is still mounted
+        held.update(master.all_keys())
+
+    on_master = replay(trace, store=StoreSpec("mooncake", host=master.host, port=master.port),
+                       progress=snapshot)
+    assert on_master.store["backend"] == "mooncake"
+    assert without_backend(on_memory) == without_backend(on_master)
+    # Outcomes and keys also match the goldens recorded with the memory store.
+    key, expect = select(trace.goldens, on_master.engine.key)
+    assert compare(expect, on_master.requests) == []
+    _, store_expect = select(trace.store_goldens, on_master.engine.key)
+    assert compare_store(store_expect, actual(on_master)) == []
+    # Every key written was really held by the master.
+    assert set(on_master.as_dict()["store"]["puts"]) <= held
+    # Gets moved bytes (a resend served from the store), and read them back intact:
+    # RecordingStore raises on any difference, so reaching here proves it.
+    gets = [r for r in on_master.store["rows"] if r["op"] == "get" and r["result"] > 0]
+    if any(r["num_external_cached_tokens"] for r in on_master.requests):
+        assert gets and all(r["bytes"] > 0 for r in gets)
+
+
+def test_check_cli_starts_its_own_master():
+    proc = cli("check", "--store", "mooncake", "fixtures/store/")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PASS") == len(STORE_FIXTURES)
+    assert proc.stderr == ""           # Mooncake's own logs stay quiet too
+
+
+def test_unreachable_master_fails_fast_and_writes_nothing(tmp_path):
+    from replayer.store.master import free_port
+
+    scenario = tmp_path / "s.yaml"
+    shutil.copy(REPO / "fixtures" / "store" / "shared_prefix_junction.yaml", scenario)
+    before = scenario.read_text()
+    t = time.monotonic()
+    proc = cli("check", "--update-golden", "--store", f"mooncake://127.0.0.1:{free_port()}",
+               str(scenario))
+    elapsed = time.monotonic() - t
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("replayer: error: store mooncake://127.0.0.1:")
+    assert "master not reachable" in lines[0]
+    assert elapsed < 10, f"took {elapsed:.1f}s"      # not the client's 90 s retry loop
+    assert scenario.read_text() == before
+
+
+def test_master_killed_mid_replay_stops_with_the_store_and_step(api, tmp_path, monkeypatch,
+                                                                capsys):
+    _, _, _, MasterProcess, _ = api
+    from replayer import cli as cli_mod
+    from replayer.progress import ProgressBar
+
+    victim = MasterProcess()
+    scenario = tmp_path / "s.yaml"
+    shutil.copy(REPO / "fixtures" / "store" / "resend_after_reset.yaml", scenario)
+    before = scenario.read_text()
+
+    def kill_at_step_3(self, p):
+        if p.steps >= 3:
+            victim.kill()
+
+    monkeypatch.setattr(ProgressBar, "__call__", kill_at_step_3)
+    try:
+        code = cli_mod.main(["check", "--update-golden", "--store",
+                             f"mooncake://{victim.address}", str(scenario)])
+    finally:
+        victim.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith(f"replayer: error: store mooncake://{victim.address}: ")
+    assert "RPC_FAIL (-900)" in err[-1]
+    assert " at step 3" in err[-1]
+    assert scenario.read_text() == before          # never a golden written
+
+
+def test_put_error_code_is_surfaced_with_its_name(tmp_path):
+    # Twelve distinct 50000-token prompts need ~30 MB of store; a 16 MB pool (the
+    # smallest the client mounts) fills up and the master refuses further puts.
+    header = (REPO / "fixtures" / "store" / "shared_prefix_junction.yaml").read_text()
+    engine = header[header.index("engine:"):header.index("requests:")]
+    reqs = "".join(f"  - {{id: r{i}, prompt: [{{stream: s{i}, len: 50000}}]}}\n"
+                   for i in range(12))
+    scenario = tmp_path / "full.yaml"
+    scenario.write_text(engine.replace("num_gpu_blocks: 256", "num_gpu_blocks: 2048")
+                        + "requests:\n" + reqs)
+    proc = cli("run", "--store", "mooncake", "--store-capacity", "16MB", str(scenario))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("replayer: error: store mooncake://127.0.0.1:")
+    assert "put of tiny-llama@" in line and "NO_AVAILABLE_HANDLE (-200)" in line
+    assert " at step " in line
+
+
+def test_store_that_cannot_start_is_a_one_line_error():
+    # The Mooncake client refuses to mount a pool this small.
+    proc = cli("run", "--store", "mooncake", "--store-capacity", "64KB",
+               "fixtures/store/shared_prefix_junction.yaml")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not start the Mooncake client" in lines[0]
+
+
+def test_json_is_identical_across_backends_but_for_the_backend(tmp_path):
+    outs = {}
+    for backend in ("memory", "mooncake"):
+        out = tmp_path / f"{backend}.json"
+        proc = cli("run", "--store", backend, "--json", str(out),
+                   "fixtures/store/vllm51295_reset_before_turn2.yaml")
+        assert proc.returncode == 0, proc.stderr
+        outs[backend] = json.loads(out.read_text())
+    assert outs["memory"]["store"].pop("backend") == "memory"
+    assert outs["mooncake"]["store"].pop("backend") == "mooncake"
+    assert outs["memory"] == outs["mooncake"]
+    turn2 = outs["memory"]["requests"][1]
+    assert turn2["num_external_cached_tokens"] == 24448
+    lookups = outs["memory"]["store"]["lookups"]
+    assert lookups[-1] == {"request": "turn2", "num_tokens": 50000, "hit_length": 24448}
