@@ -22,6 +22,7 @@ from traces.materialize import TokenSource, request_rows
 
 from .determinism import engine_hash_seed
 from .engines import EngineAdapter, EngineInfo, EngineRequest, open_engine
+from .engines.specs import runs_in_this_process
 
 # A step in which nothing could be scheduled, this many times running, means the
 # trace can never finish (a prompt that does not fit the KV cache, say).
@@ -48,6 +49,9 @@ class ReplayResult:
     steps: int
     # Store operations and lookups when the trace has a connector (see store_json).
     store: dict[str, Any] | None = None
+    # Settings of the trace this engine does not have, and how it replayed
+    # without them (older releases); said on stderr, never part of the JSON.
+    notes: list[str] = field(default_factory=list)
     # Timings: never part of the deterministic output.
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -105,10 +109,19 @@ def resolved_engine(trace: Trace) -> tuple[dict[str, Any], int, int]:
     return engine, int(max_len), n_spec
 
 
-def replay(trace: Trace, engine_spec: str = "installed",
+def replay(trace: Trace, engine_spec: Any = "installed",
            progress: Callable[[Progress], None] | None = None,
            engine: EngineAdapter | None = None, store: Any = None) -> ReplayResult:
-    """Replay ``trace`` and collect what vLLM reported for every request."""
+    """Replay ``trace`` and collect what vLLM reported for every request.
+
+    ``engine_spec`` is ``installed``, ``vllm==X.Y.Z`` or a vLLM source tree
+    (see :mod:`replayer.engines.specs`); any but the installed vLLM replays in
+    a child process of its own, with the same result."""
+    if engine is None and not runs_in_this_process(engine_spec):
+        from .engine_process import EngineProcess
+
+        with EngineProcess(engine_spec) as child:
+            return child.replay(trace, progress=progress, store=store)
     t_start = time.perf_counter()
     header_engine, max_len, n_spec = resolved_engine(trace)
     rows = request_rows(trace.requests)
@@ -238,6 +251,7 @@ def replay(trace: Trace, engine_spec: str = "installed",
         raise ReplayError(f"requests never arrived: {unfinished[:5]} (an 'after' chain that "
                           "never completes?)")
     out = [results[i] for i in order]
-    return ReplayResult(engine=engine.info, requests=out, steps=steps_run, store=report, timings={
+    return ReplayResult(engine=engine.info, requests=out, steps=steps_run, store=report,
+                        notes=list(getattr(engine, "notes", ())), timings={
         "startup_s": t_ready - t_start, "loop_s": t_end - t_ready, "wall_s": t_end - t_start,
         "vllm_s": vllm_s})

@@ -36,7 +36,7 @@ def run_table(result: ReplayResult, limit: int = TABLE_LIMIT) -> str:
         out.append(line(c))
     s = result.summary()
     out.append("")
-    out.append(f"engine vllm {result.engine.vllm} ({result.engine.source}): {s['requests']} requests, "
+    out.append(f"engine {result.engine.label}: {s['requests']} requests, "
                f"{s['prompt_tokens']} prompt tokens, {s['cached_tokens']} cached "
                f"(hit rate {s['hit_rate']:.1%}), {s['steps']} steps")
     return "\n".join(out)

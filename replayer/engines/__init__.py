@@ -1,7 +1,10 @@
 """Choosing the adapter for the vLLM that will run the replay.
 
 Each adapter module serves one release range and holds every difference of
-that range; nothing outside ``replayer.engines`` names a vLLM class.
+that range; nothing outside ``replayer.engines`` names a vLLM class. Which
+vLLM runs is an engine spec (:mod:`.specs`): the installed one runs in this
+process; a release or a source tree runs in a child process whose
+``sys.path`` puts its sources first (:mod:`replayer.engine_process`).
 """
 
 from __future__ import annotations
@@ -12,14 +15,23 @@ from typing import Any
 
 from .base import EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome, StepResult
 
-# release prefix -> adapter module
+# release prefix -> adapter module (consecutive prefixes of one module form a range)
 ADAPTERS: dict[str, str] = {
+    "0.29": "replayer.engines.vllm_0_29",
+    "0.30": "replayer.engines.vllm_0_29",
+    "0.31": "replayer.engines.vllm_0_29",
+    "0.32": "replayer.engines.vllm_0_29",
     "0.33": "replayer.engines.vllm_0_33",
 }
 
 
 class EngineError(RuntimeError):
     """The engine cannot be built for this trace (bad geometry, unsupported release)."""
+
+
+class UnsupportedByEngine(EngineError):
+    """The trace needs something this engine cannot replay yet (a connector on a
+    release or tree); ``check`` over a folder skips such a target and says why."""
 
 
 def installed_vllm_version() -> str:
@@ -30,32 +42,62 @@ def installed_vllm_version() -> str:
                           "(pip install vllm==0.33.0)") from None
 
 
+def supported_ranges() -> str:
+    """``0.29.x-0.32.x, 0.33.x``: the release ranges, one per adapter module."""
+    runs: list[list[str]] = []
+    last = None
+    for prefix, module in ADAPTERS.items():
+        if module == last:
+            runs[-1].append(prefix)
+        else:
+            runs.append([prefix])
+        last = module
+    return ", ".join(f"{r[0]}.x" if len(r) == 1 else f"{r[0]}.x-{r[-1]}.x" for r in runs)
+
+
 def adapter_module_for(version: str) -> str:
     for prefix, module in ADAPTERS.items():
         if version == prefix or version.startswith(prefix + "."):
             return module
     raise EngineError(f"no adapter for vLLM {version} (supported release ranges: "
-                      f"{', '.join(p + '.x' for p in ADAPTERS)})")
+                      f"{supported_ranges()})")
 
 
-def open_engine(engine: dict[str, Any], max_model_len: int, spec: str = "installed",
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def open_engine(engine: dict[str, Any], max_model_len: int, spec: Any = "installed",
                 store: Any = None) -> EngineAdapter:
-    """Build the engine named by ``spec`` (only ``installed`` for now).
+    """Build the engine named by ``spec`` in this process.
 
+    ``spec`` is ``installed`` or a :class:`.specs.ResolvedEngine` whose sources
+    this process imports (a child started by :mod:`replayer.engine_process`).
     ``store`` is a :class:`replayer.store.StoreSpec` for traces with a connector."""
-    if spec != "installed":
-        raise EngineError(f"engine {spec!r}: only 'installed' is supported in this release")
-    version = installed_vllm_version()
-    module = importlib.import_module(adapter_module_for(version))
+    from .specs import info_in_this_process
+
+    info = info_in_this_process(spec)
+    version = info.vllm
+    try:
+        module = importlib.import_module(adapter_module_for(version))
+    except EngineError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a patched tree that does not import is bad input
+        raise EngineError(f"{info.label}: importing vLLM failed: {type(exc).__name__}: "
+                          f"{_first_line(exc)}") from exc
     try:
         if engine.get("connector"):
-            return module.open_engine(engine, max_model_len, version, store=store)
-        return module.open_engine(engine, max_model_len, version)
+            adapter = module.open_engine(engine, max_model_len, version, store=store)
+        else:
+            adapter = module.open_engine(engine, max_model_len, version)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         # vLLM validates geometry with ValueError/AssertionError: say it in one line.
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise EngineError(f"vLLM {version} cannot build this engine: {msg}") from exc
+        raise EngineError(f"vLLM {version} cannot build this engine: {_first_line(exc)}") from exc
+    adapter.info = info
+    return adapter
 
 
 __all__ = ["ADAPTERS", "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
-           "PrefillOutcome", "StepResult", "installed_vllm_version", "open_engine"]
+           "PrefillOutcome", "StepResult", "UnsupportedByEngine", "installed_vllm_version",
+           "open_engine", "supported_ranges"]

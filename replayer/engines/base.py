@@ -44,22 +44,46 @@ class StepResult:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """Names the engine in every output: version, where it came from."""
+    """Names the engine in every output: version, where it came from.
+
+    ``source`` is ``installed`` (the vLLM in this environment), ``release`` (a
+    released version's sources overlaid on it) or ``tree`` (a source tree at
+    ``path``). A tree also names its git ``commit`` and whether it was
+    ``dirty``; both are None when the tree is not a git checkout.
+    """
 
     vllm: str
     source: str = "installed"
+    path: str | None = None
+    commit: str | None = None
+    dirty: bool | None = None
 
     @property
     def key(self) -> str:
         """The key goldens are filed under, e.g. ``vllm==0.33.0``."""
         return f"vllm=={self.vllm}"
 
-    def as_dict(self) -> dict[str, str]:
-        return {"vllm": self.vllm, "source": self.source}
+    @property
+    def label(self) -> str:
+        """One line for people: ``vllm 0.33.0 (tree /src/vllm @ 1a2b3c4d5e6f, dirty)``."""
+        if self.source != "tree":
+            return f"vllm {self.vllm} ({self.source})"
+        where = self.path or "?"
+        if self.commit is not None:
+            where += f" @ {self.commit[:12]}" + (", dirty" if self.dirty else "")
+        return f"vllm {self.vllm} (tree {where})"
+
+    def as_dict(self) -> dict[str, str | bool | None]:
+        out: dict[str, str | bool | None] = {"vllm": self.vllm, "source": self.source}
+        if self.source == "tree":
+            out.update(path=self.path, commit=self.commit, dirty=self.dirty)
+        return out
 
 
 class EngineAdapter(Protocol):
     info: EngineInfo
+    # Adapters for older releases may also set ``notes``: one line for each
+    # trace setting the release does not have, saying how it replays without it.
 
     def add_request(self, request: EngineRequest) -> None: ...
 

@@ -1,0 +1,234 @@
+"""Replays on a release or a source tree run in a child process.
+
+Only a fresh interpreter can import another vLLM in place of the installed
+one: Python keeps every imported module, and vLLM imports itself widely. So
+an engine that is not the installed vLLM gets one child process
+(``python -m replayer.engine_process``) whose ``sys.path`` starts with a small
+overlay directory: ``vllm`` (a link to the release's or tree's package) and a
+``vllm-<version>.dist-info`` so that ``importlib.metadata`` agrees with it.
+Everything else (torch, the compiled kernels vLLM never needs here, this
+package) comes from the installed environment. One child serves every replay
+of its :class:`EngineProcess` and sends back the same
+:class:`~replayer.replay.ReplayResult` an in-process replay returns.
+
+The child's interpreter hash seed is pinned as the CLI pins its own
+(:mod:`replayer.determinism`), so its output is byte-identical across runs.
+
+Wire: the parent writes pickled frames (the engine, then one job per replay)
+to the child's stdin; the child answers on a pipe of its own with progress,
+result and error frames. The child's stdout goes to the parent's stderr, so
+nothing vLLM prints can reach the channel or the parent's ``--json -``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+from traces import Trace
+
+from .determinism import INTERPRETER_SEED
+from .engines import EngineError, UnsupportedByEngine
+from .engines.specs import ResolvedEngine, resolve, runs_in_this_process
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_HEADER = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class _Job:
+    trace: Trace
+    store: Any = None
+
+
+def _send(stream: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _recv(stream: BinaryIO) -> Any:
+    """The next frame, or None at end of stream."""
+    head = stream.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        return None
+    size = _HEADER.unpack(head)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # a captured stderr (pytest)
+        return 2
+
+
+class EngineProcess:
+    """One child process that replays traces on a release or a source tree."""
+
+    def __init__(self, spec: Any) -> None:
+        self.engine: ResolvedEngine = resolve(spec)
+        if self.engine.sources is None:
+            raise EngineError(f"engine {self.engine.spec!r} is the installed vLLM; "
+                              "it replays in this process")
+        self.info = self.engine.info
+        self._overlay = Path(tempfile.mkdtemp(prefix="replayer-engine-"))
+        self._proc: subprocess.Popen | None = None
+        try:
+            self._write_overlay()
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _write_overlay(self) -> None:
+        (self._overlay / "vllm").symlink_to(self.engine.sources, target_is_directory=True)
+        dist = self._overlay / f"vllm-{self.info.vllm}.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: vllm\nVersion: {self.info.vllm}\n")
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONHASHSEED"] = INTERPRETER_SEED
+        paths = [str(self._overlay), str(REPO_ROOT)]
+        if env.get("PYTHONPATH"):
+            paths.append(env["PYTHONPATH"])
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        read_fd, write_fd = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "replayer.engine_process", str(write_fd)],
+                stdin=subprocess.PIPE, stdout=_stderr_fd(), env=env, cwd=os.getcwd(),
+                pass_fds=(write_fd,))
+        finally:
+            os.close(write_fd)
+        self._answers = os.fdopen(read_fd, "rb")
+        assert self._proc.stdin is not None
+        _send(self._proc.stdin, self.engine)
+
+    def replay(self, trace: Trace, progress: Callable[[Any], None] | None = None,
+               store: Any = None):
+        """Replay ``trace`` in the child; same result and errors as in this process."""
+        connector = trace.engine.get("connector")
+        if connector:
+            raise UnsupportedByEngine(
+                f"{self.info.label}: connector replay ({connector}) runs on the installed "
+                "vLLM only; releases and source trees do not support it yet")
+        if self._proc is None or self._proc.stdin is None:
+            raise EngineError(f"{self.info.label}: the engine process is closed")
+        try:
+            _send(self._proc.stdin, _Job(trace, store))
+        except BrokenPipeError:
+            pass                                    # reported below, with the exit code
+        while True:
+            frame = _recv(self._answers)
+            if frame is None:
+                code = self._proc.wait()
+                raise EngineError(f"{self.info.label}: the engine process exited with code "
+                                  f"{code} before answering (--verbose shows vLLM's output)")
+            kind = frame[0]
+            if kind == "progress":
+                if progress is not None:
+                    progress(frame[1])
+            elif kind == "result":
+                return frame[1]
+            elif kind == "error":
+                raise _error_class(frame[1])(frame[2])
+            else:                                   # "crash": a bug, shown in full
+                raise RuntimeError(f"{self.info.label}: the engine process failed:\n{frame[1]}")
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                if proc.stdin is not None:
+                    proc.stdin.close()
+                proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+            self._answers.close()
+        shutil.rmtree(self._overlay, ignore_errors=True)
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _error_class(name: str) -> type[Exception]:
+    """The parent's class for an error the child reported; the message says the rest."""
+    from .replay import ReplayError
+
+    return {"UnsupportedByEngine": UnsupportedByEngine,
+            "ReplayError": ReplayError}.get(name, EngineError)
+
+
+@contextmanager
+def replayer(spec: Any) -> Iterator[Callable[..., Any]]:
+    """A function replaying traces on ``spec``: in this process for the installed
+    vLLM, else in one child process kept for every call."""
+    from .replay import replay
+
+    if runs_in_this_process(spec):
+        yield lambda trace, progress=None, store=None: replay(
+            trace, engine_spec=spec, progress=progress, store=store)
+        return
+    with EngineProcess(spec) as proc:
+        yield proc.replay
+
+
+# -- the child -------------------------------------------------------------------------
+
+
+def _child(answer_fd: int) -> int:
+    from traces import TraceError
+
+    from .replay import ReplayError, replay
+
+    answers = os.fdopen(answer_fd, "wb")
+    jobs = sys.stdin.buffer
+    # vLLM's own logger follows the level the parent's command line chose.
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    if level:
+        logging.getLogger("vllm").setLevel(level.upper())
+    engine = _recv(jobs)
+    bad_input: tuple[type[BaseException], ...] = (TraceError, EngineError, ReplayError)
+    try:
+        from .store import StoreError
+
+        bad_input += (StoreError,)
+    except ImportError:  # pragma: no cover - the store package is optional here
+        pass
+    while True:
+        job = _recv(jobs)
+        if job is None:
+            return 0
+        try:
+            result = replay(job.trace, engine_spec=engine, store=job.store,
+                            progress=lambda p: _send(answers, ("progress", p)))
+            _send(answers, ("result", result))
+        except bad_input as exc:
+            _send(answers, ("error", type(exc).__name__, str(exc)))
+        except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
+            _send(answers, ("crash", traceback.format_exc()))
+
+
+if __name__ == "__main__":
+    sys.exit(_child(int(sys.argv[1])))

@@ -1,0 +1,296 @@
+"""vLLM's EngineCore over a null model: the part of an adapter no release changes.
+
+From 0.29 to 0.33, what the replay touches of ``EngineCore`` is the same:
+``EngineCore(vllm_config, executor_class, log_stats)``, requests in through
+``preprocess_add_request`` and ``add_request``, ``step``/``post_step``,
+``reset_prefix_cache(reset_running_requests, reset_connector)``,
+``abort_requests``; the ``Executor`` base with its three abstract methods and
+the worker calls EngineCore makes while it plans the KV cache; and the
+``ModelRunnerOutput``, ``DraftTokenIds`` and ``EngineCoreOutput.prefill_stats``
+dataclasses. That shared part lives here. Everything that differs (config
+fields, KV-cache spec constructors, what a release lacks) stays in the
+adapter of each release range, which builds the config and the layer specs
+and hands them to :class:`CoreEngine`.
+
+The 0.33 adapter (:mod:`.vllm_0_33`) still carries its own copy of this
+driver, woven with the MooncakeStore connector's hooks; it can move onto this
+one once connector replay runs on more than one release.
+
+The one seam is the model: :class:`NullExecutor` stands where the GPU workers
+would, reports the KV-cache layer specs the adapter built, and answers each
+step with the trace's output tokens. Drafts are the true next tokens, so
+every draft is accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
+
+from .base import EngineInfo, EngineRequest, PrefillOutcome, StepResult
+
+DEFAULT_BLOCK_SIZE = 16       # CacheConfig.DEFAULT_BLOCK_SIZE in every release served
+HEAD_SIZE = 4                 # of the largest-block attention group; others scale
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class NullExecutor(Executor):
+    """The model seam: no workers, no tensors; outputs come from the trace.
+
+    ``collective_rpc`` answers the calls EngineCore makes while it plans the KV
+    cache, as a single worker would.
+    """
+
+    uses_ray = False
+    supports_pp = False
+    # Set by CoreEngine before construction (EngineCore builds the executor).
+    layer_specs: dict[str, Any] = {}
+
+    def _init_executor(self) -> None:
+        self.adapter: "CoreEngine | None" = None
+        self.kv_cache_configs = None
+
+    def check_health(self) -> None:
+        return None
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):
+        name = method if isinstance(method, str) else method.__name__
+        handler = getattr(self, f"_rpc_{name}", None)
+        if handler is None:
+            raise NotImplementedError(f"null executor: no worker call {name!r}")
+        result = [handler(*args, **(kwargs or {}))]
+        return _done(result) if non_block else result
+
+    def _rpc_get_kv_cache_spec(self) -> dict[str, Any]:
+        return dict(self.layer_specs)
+
+    def _rpc_get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["NHD"]
+
+    def _rpc_set_kv_cache_layout(self, *args: Any) -> None:
+        return None
+
+    def _rpc_determine_available_memory(self) -> int:
+        # Large enough for any override; num_gpu_blocks_override decides.
+        return 1 << 40
+
+    def _rpc_initialize_from_config(self, kv_cache_configs: Any) -> None:
+        self.kv_cache_configs = kv_cache_configs
+
+    def _rpc_get_kv_connector_handshake_metadata(self) -> None:
+        return None
+
+    def compile_or_warm_up_model(self) -> None:
+        # The base class expects compile-time records from real workers.
+        return None
+
+    def execute_model(self, scheduler_output, non_block: bool = False):
+        assert self.adapter is not None
+        out = self.adapter._model_output(scheduler_output)
+        return _done(out) if non_block else out
+
+    def sample_tokens(self, grammar_output):  # pragma: no cover - execute_model never defers
+        raise AssertionError("null executor never defers sampling")
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        assert self.adapter is not None
+        return self.adapter._drafts()
+
+    def shutdown(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One KV-cache layer the null model reports, before a release's spec class."""
+
+    name: str
+    kind: str                 # full_attention | mamba | sliding_window | mla
+    block_size: int
+    head_size: int
+    page_bytes: int           # the common page size every group is padded to
+    sliding_window: int | None = None
+    draft: bool = False       # a layer of the EAGLE draft model
+
+
+def group_block_size(engine: dict[str, Any], group: dict[str, Any]) -> int:
+    return int(group.get("block_size", engine.get("block_size", DEFAULT_BLOCK_SIZE)))
+
+
+def plan_layers(engine: dict[str, Any], dtype_bytes: int) -> list[LayerPlan]:
+    """One layer per declared group, plus the EAGLE draft layer and twins.
+
+    vLLM groups layers with equal specs and needs one page size across groups:
+    attention head sizes scale inversely with block size and Mamba pages are
+    padded to match, as vLLM's own hybrid models do. The draft model's layer
+    shares the first attention group's spec; the other groups get a twin layer
+    so that every group holds the same number of layers, as vLLM's grouping
+    assumes.
+    """
+    groups = engine["kv_groups"]
+    sizes = [group_block_size(engine, g) for g in groups]
+    largest = max(sizes)
+    for g, bs in zip(groups, sizes):
+        if g["kind"] != "mamba" and largest % bs:
+            raise ValueError(f"attention block size {bs} must divide the largest group "
+                             f"block size {largest}")
+    page = 2 * largest * HEAD_SIZE * dtype_bytes
+    plans: list[LayerPlan] = []
+    draft: LayerPlan | None = None
+    for i, (g, bs) in enumerate(zip(groups, sizes)):
+        kind = g["kind"]
+        window = int(g["sliding_window"]) if kind == "sliding_window" else None
+        plans.append(LayerPlan(f"model.layers.{i}.{kind}", kind, bs, HEAD_SIZE * largest // bs,
+                               page, window))
+        if engine.get("speculative") and draft is None and kind in ("full_attention", "mla"):
+            draft = replace(plans[-1], name="draft.layers.0.attn", draft=True)
+            plans.append(draft)
+    if draft is not None:
+        for p in [p for p in plans if not p.draft]:
+            if replace(p, name=draft.name, draft=True) != draft:
+                plans.append(replace(p, name=f"{p.name}.twin"))
+    return plans
+
+
+class _Timed:
+    """Wraps a scheduler method to add up the seconds spent inside vLLM."""
+
+    __slots__ = ("fn", "seconds")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.seconds = 0.0
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+class CoreEngine:
+    """The real EngineCore, driven one step at a time by the replay loop.
+
+    ``config`` must name :class:`NullExecutor` as its distributed executor
+    backend; ``layer_specs`` are the release's own KV-cache spec objects.
+    """
+
+    def __init__(self, config: Any, layer_specs: dict[str, Any], version: str) -> None:
+        self.info = EngineInfo(vllm=version)
+        self.notes: list[str] = []
+        NullExecutor.layer_specs = layer_specs
+        self.config = config
+        self.core = EngineCore(config, NullExecutor, log_stats=True)
+        executor = self.core.model_executor
+        assert isinstance(executor, NullExecutor)
+        executor.adapter = self
+        self.scheduler = self.core.scheduler
+        self._schedule = _Timed(self.scheduler.schedule)
+        self._update = _Timed(self.scheduler.update_from_output)
+        self.scheduler.schedule = self._schedule  # type: ignore[method-assign]
+        self.scheduler.update_from_output = self._update  # type: ignore[method-assign]
+        self.num_spec = config.num_speculative_tokens if config.speculative_config else 0
+        self._outputs: dict[str, list[int]] = {}  # request id -> output tokens
+        self._sampled: list[str] = []
+
+    # -- the model seam -------------------------------------------------
+    def _model_output(self, so) -> ModelRunnerOutput:
+        scheduled = so.num_scheduled_tokens
+        self._sampled = []
+        if not scheduled:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        requests = self.scheduler.requests
+        spec = so.scheduled_spec_decode_tokens
+        req_ids = list(scheduled)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            req = requests[rid]
+            # Schedule() has advanced num_computed_tokens: a request samples
+            # once every known token (prompt and outputs so far) is computed.
+            if req.num_computed_tokens >= req.num_tokens:
+                n = req.num_output_tokens
+                k = 1 + len(spec.get(rid, ()))
+                sampled.append(self._outputs[rid][n:n + k])
+                self._sampled.append(rid)
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(req_ids=req_ids,
+                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                 sampled_token_ids=sampled)
+
+    def _drafts(self) -> DraftTokenIds | None:
+        if not self.num_spec or not self._sampled:
+            return None
+        requests = self.scheduler.requests
+        ids, drafts = [], []
+        for rid in self._sampled:
+            req = requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            n = req.num_output_tokens
+            ids.append(rid)
+            drafts.append(self._outputs[rid][n:n + self.num_spec])
+        return DraftTokenIds(ids, drafts) if ids else None
+
+    # -- the replay loop's interface -------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        self._outputs[request.id] = request.output_tokens
+        params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0,
+                                detokenize=False)
+        ecr = EngineCoreRequest(
+            request_id=request.id, prompt_token_ids=request.prompt_tokens, mm_features=None,
+            sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
+            cache_salt=request.cache_salt, data_parallel_rank=None)
+        req, wave = self.core.preprocess_add_request(ecr)
+        self.core.add_request(req, wave)
+
+    def step(self) -> StepResult:
+        outputs, executed = self.core.step()
+        self.core.post_step(executed)
+        result = StepResult(executed=executed)
+        for eco in outputs.values():
+            for out in eco.outputs:
+                stats = out.prefill_stats
+                if stats is not None:
+                    result.prefills.append(PrefillOutcome(
+                        id=out.request_id, num_prompt_tokens=stats.num_prompt_tokens,
+                        num_cached_tokens=stats.num_cached_tokens,
+                        num_local_cached_tokens=stats.num_local_cached_tokens,
+                        num_external_cached_tokens=stats.num_external_cached_tokens))
+                if out.finish_reason is not None:
+                    result.finished.append(out.request_id)
+                    self._outputs.pop(out.request_id, None)
+        return result
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort_requests([request_id])
+        self._outputs.pop(request_id, None)
+
+    def vllm_seconds(self) -> float:
+        return self._schedule.seconds + self._update.seconds
+
+    def close(self) -> None:
+        try:
+            self.core.shutdown()
+        except Exception:  # noqa: BLE001 - shutdown of a null executor has nothing to lose
+            pass

@@ -1,0 +1,128 @@
+"""Released vLLM versions as engines: the wheel cache and the list of releases.
+
+A release replays from its own Python sources placed first on ``sys.path``
+over the installed vLLM (the compiled kernels are never needed: the replay
+runs no model). So only the wheel's Python files are kept: ``pip download
+--no-deps`` fetches the wheel once (about 330 MB), the sources (about 40 MB)
+are extracted under the cache directory, and the wheel is deleted. An
+extracted release is never changed again; it appears under its final name
+only when complete, so an interrupted fetch leaves nothing half-written and a
+second fetch of the same release waits for the first (a file lock).
+
+The cache directory is ``$PREFIX_REPLAYER_CACHE``, else
+``$XDG_CACHE_HOME/prefix-replayer``, else ``~/.cache/prefix-replayer``; it is
+created on demand, so a clean CI machine starts from nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from . import EngineError
+
+CACHE_ENV = "PREFIX_REPLAYER_CACHE"
+
+# The releases the adapters serve, in order, as listed by `pip index versions
+# vllm` on 2026-11-29. Bisecting over releases walks this list (plus the two
+# ends when they are not on it), so no bisect ever scans the registry.
+KNOWN_RELEASES = ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+
+# What a replay imports from a wheel: Python sources and the data files they
+# read at import time. Kernels (.so), C/CUDA sources and the Rust binary stay out.
+SOURCE_SUFFIXES = (".py", ".pyi", ".json", ".jinja", ".typed")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "prefix-replayer"
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """``0.29.0`` -> (0, 29, 0), for ordering releases."""
+    return tuple(int(x) for x in version.split("."))
+
+
+def releases_between(good: str, bad: str) -> list[str]:
+    """The releases from ``good`` to ``bad`` (both included), oldest first."""
+    lo, hi = sorted((good, bad), key=version_key)
+    found = {v for v in KNOWN_RELEASES if version_key(lo) <= version_key(v) <= version_key(hi)}
+    return sorted(found | {good, bad}, key=version_key)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def release_sources(version: str) -> Path:
+    """The ``vllm`` package directory of release ``version``, fetched if needed."""
+    root = cache_dir() / "releases"
+    final = root / f"vllm-{version}"
+    if (final / "vllm" / "__init__.py").exists():
+        return final / "vllm"
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".vllm-{version}.lock"):
+        if (final / "vllm" / "__init__.py").exists():    # fetched while we waited
+            return final / "vllm"
+        work = Path(tempfile.mkdtemp(prefix=f".vllm-{version}.", dir=root))
+        try:
+            wheel = _download(version, work / "wheel")
+            _extract_sources(wheel, work / "src")
+            os.replace(work / "src", final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final / "vllm"
+
+
+def _download(version: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+           "--only-binary=:all:", "--disable-pip-version-check", "--quiet",
+           "--dest", str(dest), f"vllm=={version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob(f"vllm-{version}-*.whl")) if dest.is_dir() else []
+    if proc.returncode != 0 or not wheels:
+        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines()
+                 if ln.strip() and not ln.startswith("WARNING")]
+        why = lines[-1] if lines else f"pip exited with code {proc.returncode}"
+        raise EngineError(f"engine vllm=={version}: could not fetch the wheel with pip "
+                          f"download: {why}")
+    return wheels[0]
+
+
+def _extract_sources(wheel: Path, dest: Path) -> None:
+    """The wheel's ``vllm/`` Python sources and data files, nothing else."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = [n for n in zf.namelist()
+                     if n.startswith("vllm/") and n.endswith(SOURCE_SUFFIXES)
+                     and ".." not in n.split("/")]
+            if "vllm/__init__.py" not in names:
+                raise EngineError(f"{wheel.name} holds no vllm/__init__.py; not a vLLM wheel")
+            for name in names:
+                zf.extract(name, dest)
+    except zipfile.BadZipFile as exc:
+        raise EngineError(f"{wheel.name}: not a readable wheel ({exc})") from None
+
+
+def release_of(text: str) -> str | None:
+    """``vllm==0.29.0`` -> ``0.29.0``; None for anything that is not X.Y.Z."""
+    m = re.fullmatch(r"vllm==(\d+\.\d+\.\d+)", text)
+    return m.group(1) if m else None

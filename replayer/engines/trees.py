@@ -1,0 +1,109 @@
+"""vLLM source trees as engines: the package, its release, its git identity.
+
+A tree is a directory holding vLLM's Python package: a checkout (``PATH/vllm``)
+or the package itself (a copy of an installed ``vllm/``, ``PATH/v1/...``). Its
+release decides the adapter: ``vllm/_version.py`` when the tree has one (a
+built checkout, an installed copy), else the nearest ``v*`` git tag. Its git
+commit and whether it was dirty name it in every output; both are None when
+the tree is not inside a git checkout.
+
+Bisecting over commits needs each commit's tree without touching the user's
+checkout: :func:`export_commit` writes ``git archive`` of one commit into a
+directory of its own.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import tarfile
+from pathlib import Path
+
+from . import EngineError
+
+MARKER = Path("v1") / "engine" / "core.py"      # present in every release the adapters serve
+_VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
+
+
+def package_dir(path: Path, spec: str) -> Path:
+    """The ``vllm`` package inside ``path`` (a checkout) or ``path`` itself."""
+    if (path / "vllm" / MARKER).is_file():
+        return path / "vllm"
+    if (path / MARKER).is_file() and (path / "__init__.py").is_file():
+        return path
+    raise EngineError(f"engine {spec!r}: not a vLLM source tree (no vllm/{MARKER} "
+                      f"or {MARKER} under {path})")
+
+
+def _git(cwd: Path, *args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError:       # no git on this machine: treat as not a checkout
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def tree_version(package: Path) -> str | None:
+    """The release a tree is: its ``_version.py``, else its nearest ``v*`` tag."""
+    vfile = package / "_version.py"
+    if vfile.is_file():
+        m = _VERSION.search(vfile.read_text(errors="replace"))
+        if m:
+            return m.group(1)
+    return commit_version(package, "HEAD")
+
+
+def commit_version(repo: Path, commit: str) -> str | None:
+    """The release a commit is, by its nearest ``v*`` tag."""
+    tag = _git(repo, "describe", "--tags", "--abbrev=0", "--match", "v[0-9]*", commit)
+    return tag[1:] if tag and re.fullmatch(r"v\d+\.\d+\.\d+.*", tag) else None
+
+
+def git_identity(path: Path) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the checkout holding ``path``; (None, None) outside git.
+
+    Dirty means a tracked file under ``path`` differs from the commit, or an
+    untracked file that is not ignored sits under it.
+    """
+    commit = _git(path, "rev-parse", "--verify", "--quiet", "HEAD")
+    if not commit:
+        return None, None
+    status = _git(path, "status", "--porcelain", "--", ".")
+    return commit, bool(status)
+
+
+def resolve_commit(repo: Path, rev: str) -> str:
+    sha = _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    if not sha:
+        raise EngineError(f"--tree {repo}: no commit {rev!r}")
+    return sha
+
+
+def commits_between(repo: Path, good: str, bad: str) -> list[str]:
+    """Commits from ``good`` to ``bad`` along the first-parent line, both included."""
+    if _git(repo, "merge-base", "--is-ancestor", good, bad) is None:
+        raise EngineError(f"--tree {repo}: {good[:12]} is not an ancestor of {bad[:12]}")
+    out = _git(repo, "rev-list", "--first-parent", "--ancestry-path", "--reverse",
+               f"{good}..{bad}")
+    return [good, *(out.split() if out else [])]
+
+
+def export_commit(repo: Path, commit: str, dest: Path) -> Path:
+    """Write the tree of ``commit`` into ``dest``; returns where ``repo`` lands in it."""
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    if top is None:
+        raise EngineError(f"--tree {repo}: not inside a git checkout")
+    rel = repo.resolve().relative_to(Path(top).resolve())
+    proc = subprocess.run(["git", "archive", "--format=tar", commit], cwd=top,
+                          capture_output=True)
+    if proc.returncode != 0:
+        raise EngineError(f"--tree {repo}: git archive {commit[:12]} failed: "
+                          f"{proc.stderr.decode(errors='replace').strip()}")
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
+        if hasattr(tarfile, "data_filter"):     # Python 3.11.4 and later
+            tar.extractall(dest, filter="data")
+        else:  # pragma: no cover - the archive is git's own output
+            tar.extractall(dest)
+    return dest / rel

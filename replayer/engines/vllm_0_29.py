@@ -1,0 +1,160 @@
+"""Adapter for vLLM 0.29.x to 0.32.x: the real EngineCore over a null model.
+
+These releases run EngineCore, the Executor base and the output dataclasses
+exactly as the replay uses them in 0.33, so the driver is the shared
+:mod:`.core_driver` (the real ``EngineCore`` works on all four; no release
+needs the scheduler assembled by hand). What differs from 0.33, found by
+reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
+``v1/executor/abstract.py``, ``v1/kv_cache_interface.py`` and
+``config/*.py``, is all here:
+
+* **KV-cache specs have no ``is_draft``** (0.33 added it). Nothing can mark the
+  draft model's layers, so vLLM flags every KV-cache group as an EAGLE group
+  (its own fallback; 0.31 and 0.32 log "no KV cache group could be identified
+  as the draft model's"). That is what production ran: the draft layer still
+  joins the first attention group, and the Mamba group is dropped from too.
+* **No lookahead block hashes.** ``SpeculativeConfig`` has no
+  ``disable_lookahead_block_hashes`` (0.33 added the hashes and the flag), so
+  with EAGLE the trailing block is always dropped (0.30-0.32 have
+  ``disable_eagle_block_drop``, default off, which no trace sets). A trace that
+  asks for lookahead hashes (the 0.33 default) replays with the drop, and a
+  note says so.
+* **``CacheConfig.enable_mamba_shared_prefix_checkpoint``** exists from 0.31
+  on. On 0.29 and 0.30 a trace that turns it on replays without it, with a
+  note; one that leaves it off replays exactly.
+* ``Executor.set_kv_cache_layout`` sends only the layout (0.33 adds the
+  context-parallel interleave size); the null executor takes either.
+* **No connector replay here yet**: a trace with a KV connector is refused.
+
+Under the sources of 0.29.0 the #51295 pair shows the production miss as
+upstream reported it (turn 2 hits 23040 after a 24576-token turn 1, and 0
+after 24577); 0.30.0 and later hit 24448.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
+                         SchedulerConfig, SpeculativeConfig, VllmConfig)
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpec,
+                                        MLAAttentionSpec, SlidingWindowSpec)
+
+from . import UnsupportedByEngine
+from .core_driver import CoreEngine, LayerPlan, NullExecutor, group_block_size, plan_layers
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+TARGET_MODEL = MODELS / "tiny-llama"
+DRAFT_MODEL = MODELS / "tiny-eagle"
+
+VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
+SHARED_PREFIX_CHECKPOINT_SINCE = (0, 31)        # CacheConfig.enable_mamba_shared_prefix_checkpoint
+DTYPE = torch.float16
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def kv_spec(plan: LayerPlan, engine: dict[str, Any]) -> KVCacheSpec:
+    """A layer's spec with these releases' constructors (no ``is_draft``)."""
+    if plan.kind == "mamba":
+        spec = engine.get("speculative")
+        n_spec = int(spec.get("num_speculative_tokens", 1)) if spec else 0
+        return MambaSpec(block_size=plan.block_size, shapes=((4,),), dtypes=(DTYPE,),
+                         page_size_padded=plan.page_bytes,
+                         mamba_cache_mode=engine.get("mamba_cache_mode", "align"),
+                         num_speculative_blocks=n_spec)
+    if plan.kind == "sliding_window":
+        return SlidingWindowSpec(block_size=plan.block_size, num_kv_heads=1,
+                                 head_size=plan.head_size, dtype=DTYPE,
+                                 sliding_window=int(plan.sliding_window or 0))
+    if plan.kind == "mla":
+        return MLAAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                                head_size=2 * plan.head_size, dtype=DTYPE)
+    return FullAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                             head_size=plan.head_size, dtype=DTYPE)
+
+
+def layer_specs(engine: dict[str, Any]) -> dict[str, KVCacheSpec]:
+    return {p.name: kv_spec(p, engine) for p in plan_layers(engine, DTYPE.itemsize)}
+
+
+def missing_settings(engine: dict[str, Any], version: str) -> list[str]:
+    """One note per trace setting release ``version`` does not have."""
+    notes = []
+    spec = engine.get("speculative")
+    if spec and not spec.get("disable_lookahead_block_hashes", False):
+        notes.append(f"vLLM {version} has no lookahead block hashes: replayed with the EAGLE "
+                     "drop on (engine.speculative.disable_lookahead_block_hashes is 0.33's)")
+    if (engine.get("enable_mamba_shared_prefix_checkpoint")
+            and _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE):
+        notes.append(f"vLLM {version} has no enable_mamba_shared_prefix_checkpoint: "
+                     "replayed without it")
+    return notes
+
+
+def build_vllm_config(engine: dict[str, Any], max_model_len: int, version: str) -> VllmConfig:
+    """The trace's engine block as these releases' config objects; vLLM resolves the rest."""
+    groups = engine["kv_groups"]
+    has_mamba = any(g["kind"] == "mamba" for g in groups)
+    attn_sizes = [group_block_size(engine, g) for g in groups if g["kind"] != "mamba"]
+    block_size = int(engine.get("block_size", min(attn_sizes)))
+    model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
+                        max_model_len=max_model_len, dtype="float16")
+    parallel = ParallelConfig(distributed_executor_backend=NullExecutor)
+    cache_kwargs: dict[str, Any] = dict(
+        block_size=block_size,
+        enable_prefix_caching=engine.get("enable_prefix_caching", True),
+        num_gpu_blocks_override=int(engine["num_gpu_blocks"]),
+    )
+    for key in ("prefix_match_unit", "prefix_caching_hash_algo",
+                "prefix_cache_retention_interval"):
+        if key in engine:
+            cache_kwargs[key] = engine[key]
+    if ("enable_mamba_shared_prefix_checkpoint" in engine
+            and _minor(version) >= SHARED_PREFIX_CHECKPOINT_SINCE):
+        cache_kwargs["enable_mamba_shared_prefix_checkpoint"] = (
+            engine["enable_mamba_shared_prefix_checkpoint"])
+    if has_mamba:
+        mamba_bs = [group_block_size(engine, g) for g in groups if g["kind"] == "mamba"]
+        cache_kwargs["mamba_cache_mode"] = engine.get("mamba_cache_mode", "align")
+        cache_kwargs["mamba_block_size"] = mamba_bs[0]
+    cache = CacheConfig(**cache_kwargs)
+    sched_kwargs: dict[str, Any] = dict(max_model_len=max_model_len, is_encoder_decoder=False,
+                                        async_scheduling=False)
+    for key in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
+                "long_prefill_token_threshold"):
+        if key in engine:
+            sched_kwargs[key] = engine[key]
+    scheduler = SchedulerConfig(**sched_kwargs)
+    speculative = None
+    spec_cfg = engine.get("speculative")
+    if spec_cfg:
+        # No disable_lookahead_block_hashes before 0.33: see missing_settings.
+        speculative = SpeculativeConfig(
+            method=spec_cfg["method"], model=str(DRAFT_MODEL),
+            num_speculative_tokens=int(spec_cfg.get("num_speculative_tokens", 1)),
+            target_model_config=model, target_parallel_config=parallel)
+    config = VllmConfig(model_config=model, cache_config=cache, parallel_config=parallel,
+                        scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"),
+                        speculative_config=speculative)
+    # On a platform vLLM does not know (CPU without its kernels) it turns the
+    # hybrid KV-cache manager off; production GPUs keep it on.
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
+
+
+def open_engine(engine: dict[str, Any], max_model_len: int, version: str,
+                store: Any = None) -> CoreEngine:
+    if engine.get("connector"):
+        raise UnsupportedByEngine(f"connector replay ({engine['connector']}) is not supported "
+                                  f"on vLLM {version} yet (it runs on the installed 0.33)")
+    core = CoreEngine(build_vllm_config(engine, max_model_len, version), layer_specs(engine),
+                      version)
+    core.notes = missing_settings(engine, version)
+    return core
