@@ -1,4 +1,4 @@
-"""The ``replayer`` command line: run, check, compile, import, info.
+"""The ``replayer`` command line: run, check, diff, bisect, compile, import, info.
 
 Exit codes: 0 success, 1 a check failed (or goldens were just rewritten and
 need review), 2 bad input or a replay that cannot go on (one line on stderr).
@@ -18,6 +18,8 @@ from traces import TraceError, load_target
 from traces.goldens import compare, select
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), or the path of a "
+               "vLLM source tree")
 
 
 def _quiet_vllm(verbose: bool) -> None:
@@ -42,9 +44,9 @@ def _parser() -> argparse.ArgumentParser:
         "manager, and check prefix-cache hits against golden results."))
     sub = p.add_subparsers(dest="command", required=True)
 
-    def engine_opts(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--engine", default="installed",
-                        help="engine to replay on (default: the installed vLLM)")
+    def engine_opts(sp: argparse.ArgumentParser, engine: bool = True) -> None:
+        if engine:
+            sp.add_argument("--engine", default="installed", metavar="SPEC", help=ENGINE_HELP)
         sp.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
         sp.add_argument("--no-progress", action="store_true", help="never show a progress bar")
         sp.add_argument("--store", default="memory", metavar="BACKEND",
@@ -66,6 +68,23 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--update-golden", action="store_true",
                        help="rewrite the goldens from this replay (still exits 1, for review)")
     engine_opts(check)
+
+    diff = sub.add_parser("diff", help="replay a target on two engines; print what differs")
+    diff.add_argument("target", help="scenario .yaml or trace directory")
+    diff.add_argument("--engine", action="append", required=True, metavar="SPEC",
+                      help="give it twice: engine A, then engine B (" + ENGINE_HELP + ")")
+    diff.add_argument("--json", metavar="OUT", help="write the differences as JSON ('-' for stdout)")
+    engine_opts(diff, engine=False)
+
+    bis = sub.add_parser("bisect", help="find the first engine whose outcome differs from a good one")
+    bis.add_argument("target", help="scenario .yaml or trace directory")
+    bis.add_argument("--good", required=True, metavar="SPEC|COMMIT",
+                     help="the reference: vllm==X.Y.Z, or a commit with --tree")
+    bis.add_argument("--bad", required=True, metavar="SPEC|COMMIT",
+                     help="an engine that differs: vllm==X.Y.Z, or a commit with --tree")
+    bis.add_argument("--tree", metavar="PATH",
+                     help="bisect over the commits of this vLLM git checkout")
+    engine_opts(bis, engine=False)
 
     comp = sub.add_parser("compile", help="compile a scenario into a trace directory")
     comp.add_argument("scenario")
@@ -91,7 +110,12 @@ def _err(msg: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _replay(target, args):
+_NOTES_SAID: set[str] = set()
+
+
+def _replay(target, args, run=None):
+    """Replay ``target`` on ``run`` (from :func:`replayer.engine_process.replayer`),
+    else on ``--engine``; says each engine note once on stderr."""
     from .progress import ProgressBar
     from .replay import replay
 
@@ -107,14 +131,25 @@ def _replay(target, args):
         wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
-        return replay(target, engine_spec=args.engine, progress=bar, store=store)
+        if run is None:
+            result = replay(target, engine_spec=args.engine, progress=bar, store=store)
+        else:
+            result = run(target, progress=bar, store=store)
     finally:
         bar.close()
+    for note in result.notes:
+        if note not in _NOTES_SAID:
+            _NOTES_SAID.add(note)
+            print(f"replayer: note: {note}", file=sys.stderr)
+    return result
 
 
 def cmd_run(args) -> int:
     from .report import dumps, run_table, write_atomic
 
+    from .engines.specs import parse_spec
+
+    parse_spec(args.engine)                 # a bad spec is reported before anything runs
     trace = load_target(args.target)
     if args.store_ops and not trace.engine.get("connector"):
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
@@ -149,48 +184,111 @@ def _expand_targets(targets: Sequence[str]) -> list[Path]:
 
 
 def cmd_check(args) -> int:
+    from .engine_process import replayer
+    from .engines import UnsupportedByEngine
+    from .engines.specs import parse_spec
+
+    spec = parse_spec(args.engine)
+    paths = _expand_targets(args.targets)
+    traces = [(p, load_target(p)) for p in paths]   # all bad input is reported before any replay
+    worst = EXIT_OK
+    with replayer(spec) as run:                     # one engine process for every target
+        for path, trace in traces:
+            try:
+                result = _replay(trace, args, run)
+            except UnsupportedByEngine as exc:
+                print(f"SKIP {path}: {exc}")
+                continue
+            worst = max(worst, _check_one(args, path, trace, result))
+    return worst
+
+
+def _check_one(args, path: Path, trace, result) -> int:
+    """Compare one replay with its goldens (or rewrite them); the exit code it earns."""
     from traces.scenario import is_scenario_path
 
     from . import store_check
     from .golden_update import update
     from .report import check_report
 
-    paths = _expand_targets(args.targets)
-    traces = [(p, load_target(p)) for p in paths]   # all bad input is reported before any replay
-    worst = EXIT_OK
-    for path, trace in traces:
-        result = _replay(trace, args)
-        engine_key = result.engine.key
-        chosen = select(trace.goldens, engine_key)
-        if args.update_golden:
-            golden_key = chosen[0] if chosen else engine_key
-            written, where = update(path, is_scenario_path(path), trace.goldens, golden_key,
-                                    engine_key, result.requests)
-            label = "any engine" if written == "*" else written
-            print(f"UPDATED {path}: goldens for {label} rewritten in {where} from engine "
-                  f"{engine_key}; review the change before committing")
-            store_where = store_check.update(path, is_scenario_path(path),
-                                             load_target(path), result)
-            if store_where:
-                print(f"UPDATED {path}: store goldens rewritten in {store_where}")
-            worst = EXIT_MISMATCH
-            continue
-        if chosen is None:
-            print(f"FAIL {path}: no goldens for engine {engine_key} "
-                  "(record them with --update-golden)")
-            worst = EXIT_MISMATCH
-            continue
-        golden_key, expect = chosen
-        mismatches = compare(expect, result.requests)
-        store_lines, store_ok = store_check.check(trace, result)
-        report = check_report(str(path), engine_key, golden_key, mismatches, result,
-                              trace.engine, len(expect))
-        if not store_ok and not mismatches:
-            report = "FAIL" + report[len("PASS"):] + ", but the store does not"
-        print("\n".join([report, *store_lines]))
-        if mismatches or not store_ok:
-            worst = EXIT_MISMATCH
-    return worst
+    engine_key = result.engine.key
+    chosen = select(trace.goldens, engine_key)
+    if args.update_golden:
+        golden_key = chosen[0] if chosen else engine_key
+        written, where = update(path, is_scenario_path(path), trace.goldens, golden_key,
+                                engine_key, result.requests)
+        label = "any engine" if written == "*" else written
+        print(f"UPDATED {path}: goldens for {label} rewritten in {where} from engine "
+              f"{engine_key}; review the change before committing")
+        store_where = store_check.update(path, is_scenario_path(path),
+                                         load_target(path), result)
+        if store_where:
+            print(f"UPDATED {path}: store goldens rewritten in {store_where}")
+        return EXIT_MISMATCH
+    if chosen is None:
+        print(f"FAIL {path}: no goldens for engine {engine_key} "
+              "(record them with --update-golden)")
+        return EXIT_MISMATCH
+    golden_key, expect = chosen
+    mismatches = compare(expect, result.requests)
+    store_lines, store_ok = store_check.check(trace, result)
+    report = check_report(str(path), engine_key, golden_key, mismatches, result,
+                          trace.engine, len(expect))
+    if not store_ok and not mismatches:
+        report = "FAIL" + report[len("PASS"):] + ", but the store does not"
+    print("\n".join([report, *store_lines]))
+    return EXIT_MISMATCH if mismatches or not store_ok else EXIT_OK
+
+
+def cmd_diff(args) -> int:
+    from .diff import compare_results, diff_table
+    from .engine_process import replayer
+    from .engines.specs import parse_spec
+    from .report import write_atomic
+
+    if len(args.engine) != 2:
+        return _err(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
+    specs = [parse_spec(e) for e in args.engine]
+    trace = load_target(args.target)
+    results = []
+    for spec in specs:
+        with replayer(spec) as run:
+            results.append(_replay(trace, args, run))
+    d = compare_results(*results)
+    print(diff_table(d))
+    text = json.dumps(d.as_dict(), indent=2) + "\n"
+    if args.json == "-":
+        sys.stdout.write(text)
+    elif args.json:
+        write_atomic(args.json, text)
+    return EXIT_OK if d.identical else EXIT_MISMATCH
+
+
+def cmd_bisect(args) -> int:
+    from .bisect import CommitLine, path_report, release_line, search
+
+    trace = load_target(args.target)
+    if args.tree is None:
+        line = release_line(args.good, args.bad)
+        res = search(line, lambda spec: _replay(trace, args, _one_off(spec)))
+        print(path_report(res, "releases"))
+    else:
+        commits = CommitLine(args.tree, args.good, args.bad)
+        try:
+            res = search(commits.commits,
+                         lambda c: _replay(trace, args, _one_off(commits.engine(c))))
+        finally:
+            commits.close()
+        print(path_report(res, f"commits of {commits.tree}"))
+    return EXIT_OK if res.first_bad is not None else EXIT_MISMATCH
+
+
+def _one_off(spec):
+    """A runner for one replay on ``spec`` (its engine process ends with it)."""
+    from .replay import replay
+
+    return lambda trace, progress=None, store=None: replay(
+        trace, engine_spec=spec, progress=progress, store=store)
 
 
 def cmd_compile(args) -> int:
@@ -256,14 +354,14 @@ def cmd_info(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"run": cmd_run, "check": cmd_check, "compile": cmd_compile, "import": cmd_import,
-            "info": cmd_info}
+COMMANDS = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "bisect": cmd_bisect,
+            "compile": cmd_compile, "import": cmd_import, "info": cmd_info}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(args_list)
-    if args.command in ("run", "check") and argv is None:
+    if args.command in ("run", "check", "diff", "bisect") and argv is None:
         from .determinism import reexec_with_pinned_seed
 
         reexec_with_pinned_seed(args_list)

@@ -1,0 +1,149 @@
+"""``replayer bisect``: the first engine whose outcome differs from a good one.
+
+The engines form a line, oldest first: the releases from ``--good`` to
+``--bad`` (:func:`~replayer.engines.releases.releases_between`: a fixed list of
+published releases, never a registry scan), or the commits of a source tree
+along its first-parent line (``--tree PATH``; each commit is written out with
+``git archive`` into a directory of its own, so the checkout is never
+touched). Good and bad are replayed first: good's outcome is the reference,
+and bad must differ from it or there is nothing to find. Then a binary search
+replays the middle of the open range until the first differing engine sits
+next to the last matching one, so a line of n engines costs about
+``2 + log2(n)`` replays. "Differs" is :func:`replayer.diff.compare_results`,
+the rule ``diff`` uses.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .diff import EngineDiff, compare_results
+from .engines import EngineError, EngineInfo
+from .replay import ReplayResult
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One engine tried: its place on the line, who it is, and how it compared."""
+
+    index: int
+    role: str                  # good | bad | try
+    engine: EngineInfo
+    cached_tokens: int
+    matched_good: bool
+
+
+@dataclass
+class BisectResult:
+    line: int                              # engines on the line, good and bad included
+    path: list[Probe] = field(default_factory=list)
+    first_bad: Probe | None = None         # None: bad matched good, nothing to find
+    change: EngineDiff | None = None       # last matching engine vs first differing one
+
+
+def search(candidates: Sequence[Any], replay_one: Callable[[Any], ReplayResult]) -> BisectResult:
+    """Binary search over ``candidates`` (good first, bad last) for the first that differs."""
+    if len(candidates) < 2:
+        raise EngineError("bisect needs a good and a different bad engine")
+    out = BisectResult(line=len(candidates))
+    results: dict[int, ReplayResult] = {}
+
+    def probe(i: int, role: str) -> bool:
+        res = replay_one(candidates[i])
+        results[i] = res
+        same = i == 0 or compare_results(results[0], res).identical
+        out.path.append(Probe(i, role, res.engine, res.summary()["cached_tokens"], same))
+        return same
+
+    probe(0, "good")
+    if probe(len(candidates) - 1, "bad"):
+        return out
+    lo, hi = 0, len(candidates) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if probe(mid, "try"):
+            lo = mid
+        else:
+            hi = mid
+    out.first_bad = next(p for p in out.path if p.index == hi)
+    out.change = compare_results(results[lo], results[hi])
+    return out
+
+
+def release_line(good: str, bad: str) -> list[str]:
+    """Release specs from ``good`` to ``bad`` (both ``vllm==X.Y.Z``), in that direction."""
+    from .engines.releases import releases_between, version_key
+    from .engines.specs import parse_spec
+
+    specs = [parse_spec(good), parse_spec(bad)]
+    if any(s.kind != "release" for s in specs):
+        raise EngineError("bisect over releases takes --good and --bad as vllm==X.Y.Z "
+                          "(or commits, with --tree PATH)")
+    g, b = (s.version for s in specs)
+    assert g is not None and b is not None
+    if g == b:
+        raise EngineError(f"--good and --bad are both vllm=={g}")
+    line = releases_between(g, b)
+    if version_key(g) > version_key(b):
+        line.reverse()
+    return [f"vllm=={v}" for v in line]
+
+
+class CommitLine:
+    """The commits of a source tree from good to bad, each exported on demand."""
+
+    def __init__(self, tree: str, good: str, bad: str) -> None:
+        from .engines.trees import commits_between, package_dir, resolve_commit
+
+        self.tree = Path(tree).expanduser().absolute()
+        if not self.tree.is_dir():
+            raise EngineError(f"--tree {tree}: no such directory")
+        package_dir(self.tree, tree)                  # a vLLM tree at all?
+        g, b = resolve_commit(self.tree, good), resolve_commit(self.tree, bad)
+        if g == b:
+            raise EngineError(f"--good and --bad are both commit {g[:12]}")
+        self.commits = commits_between(self.tree, g, b)
+        self._tmp = Path(tempfile.mkdtemp(prefix="replayer-bisect-"))
+
+    def engine(self, commit: str):
+        """The engine of one commit: its tree exported, named by the commit."""
+        from .engines import adapter_module_for
+        from .engines.specs import ResolvedEngine
+        from .engines.trees import commit_version, export_commit, package_dir, tree_version
+
+        root = export_commit(self.tree, commit, self._tmp / commit[:12])
+        package = package_dir(root, f"{self.tree}@{commit[:12]}")
+        version = tree_version(package) or commit_version(self.tree, commit)
+        if version is None:
+            raise EngineError(f"--tree {self.tree}: cannot tell which vLLM release commit "
+                              f"{commit[:12]} is (no vllm/_version.py and no v* git tag)")
+        adapter_module_for(version)
+        info = EngineInfo(version, "tree", path=str(self.tree), commit=commit, dirty=False)
+        return ResolvedEngine(f"{self.tree}@{commit}", info, str(package))
+
+    def close(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def path_report(res: BisectResult, what: str) -> str:
+    """The path the search took, then the answer and what changed there."""
+    from .diff import diff_table
+
+    out = [f"bisect over {res.line} {what}:"]
+    for p in res.path:
+        verdict = "the reference" if p.role == "good" else (
+            "matches good" if p.matched_good else "differs from good")
+        out.append(f"  {p.role:<4}  {p.engine.label}  cached {p.cached_tokens}  {verdict}")
+    if res.first_bad is None:
+        out.append("bad gives the same outcome as good: nothing to bisect")
+        return "\n".join(out)
+    out.append(f"first engine that differs from good: {res.first_bad.engine.label} "
+               f"({len(res.path)} replays)")
+    assert res.change is not None
+    out.append("what changed there (A: the last engine that matches good):")
+    out.append(diff_table(res.change))
+    return "\n".join(out)
