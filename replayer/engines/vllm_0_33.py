@@ -387,7 +387,7 @@ class Vllm033Engine:
             return None
         ops = self.session.recorder.ops
         return {"backend": self.session.spec.kind, "rows": list(ops.rows),
-                "lookups": list(ops.lookups)}
+                "lookups": list(ops.lookups), "seconds": self.session.recorder.seconds}
 
     def abort(self, request_id: str) -> None:
         self.core.abort_requests([request_id])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import re
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -64,6 +65,7 @@ class RecordingStore:
         self.boundary_of = boundary_of or (lambda h: None)
         self._lock = threading.Lock()
         self._put_crc: dict[str, int] = {}
+        self.seconds = 0.0            # inside the backend's calls (timings, never output)
         if hasattr(inner, "on_evict"):
             inner.on_evict = self._evicted
 
@@ -89,8 +91,18 @@ class RecordingStore:
         self._row("evict", key, nbytes, 0)
 
     # -- the calls vLLM's worker makes -----------------------------------
+    def _call(self, fn, *args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._fail(f"{getattr(fn, '__name__', 'call')} raised {exc!r}")
+            raise
+        finally:
+            self.seconds += time.perf_counter() - t
+
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        res = self._inner.batch_is_exist(keys)
+        res = self._call(self._inner.batch_is_exist, keys)
         op = self.phase
         for k, r in zip(keys, res):
             self._row(op, k, None, int(r))
@@ -100,7 +112,7 @@ class RecordingStore:
 
     def batch_put_from_multi_buffers(self, keys, addrs, sizes, *args: Any) -> list[int]:
         crcs = [_crc(a, s) for a, s in zip(addrs, sizes)]
-        res = self._inner.batch_put_from_multi_buffers(keys, addrs, sizes, *args)
+        res = self._call(self._inner.batch_put_from_multi_buffers, keys, addrs, sizes, *args)
         for k, s, c, r in zip(keys, sizes, crcs, res):
             self._row("put", k, sum(s), int(r))
             if r < 0:
@@ -110,7 +122,7 @@ class RecordingStore:
         return res
 
     def batch_get_into_multi_buffers(self, keys, addrs, sizes, *args: Any) -> list[int]:
-        res = self._inner.batch_get_into_multi_buffers(keys, addrs, sizes, *args)
+        res = self._call(self._inner.batch_get_into_multi_buffers, keys, addrs, sizes, *args)
         for k, a, s, r in zip(keys, addrs, sizes, res):
             self._row("get", k, sum(s), int(r))
             if r < 0 and r != OBJECT_NOT_FOUND:

@@ -1,0 +1,102 @@
+"""Benchmark: the first 1,000 conversation requests through the MooncakeStore connector.
+
+Runs the hybrid #51295 geometry with ``connector: mooncake_store`` and a GPU
+cache small enough that resends fall back to the store, once on the in-memory
+store and once on a real ``mooncake_master`` the replayer starts on loopback,
+each in a fresh process, and prints wall seconds, puts and gets per second,
+bytes moved, store seconds against vLLM seconds, and whether both backends
+agree.
+
+    python benchmarks/replay_store.py [--limit 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+ENGINE = {
+    "block_size": 1536, "prefix_match_unit": 128,
+    "kv_groups": [{"kind": "full_attention"}, {"kind": "mamba"}],
+    "speculative": {"method": "eagle", "num_speculative_tokens": 1,
+                    "disable_lookahead_block_hashes": True},
+    "prefix_cache_retention_interval": 0,
+    "max_num_batched_tokens": 8192, "max_num_seqs": 256,
+    # 512 blocks of 1536 tokens: ~0.8 M tokens of GPU KV, so history is evicted
+    # from the GPU and returning conversations must come back from the store.
+    "num_gpu_blocks": 512,
+    "connector": "mooncake_store",
+}
+
+
+def _child(backend: str, trace_dir: str) -> dict:
+    t0 = time.perf_counter()
+    for k, v in {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch", "HF_HUB_OFFLINE": "1",
+                 "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "3"}.items():
+        os.environ.setdefault(k, v)
+    sys.path.insert(0, str(ROOT))
+    from replayer.replay import replay
+    from replayer.store import StoreSpec
+    from traces import read_trace
+
+    result = replay(read_trace(trace_dir), store=StoreSpec(backend))
+    rows = result.store["rows"]
+    wall = time.perf_counter() - t0
+    puts = [r for r in rows if r["op"] == "put" and r["result"] >= 0]
+    gets = [r for r in rows if r["op"] == "get" and r["result"] >= 0]
+    d = result.as_dict()
+    d["store"].pop("backend")
+    return {"wall_s": wall, "vllm_s": result.timings["vllm_s"],
+            "store_s": result.store["seconds"], "puts": len(puts), "gets": len(gets),
+            "lookups": sum(1 for r in rows if r["op"] == "lookup"),
+            "bytes": sum(r["bytes"] for r in puts + gets),
+            "hit_rate": result.summary()["hit_rate"],
+            "external": sum(r["num_external_cached_tokens"] or 0 for r in result.requests),
+            "digest": hash(json.dumps(d, sort_keys=True))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--limit", type=int, default=1000)
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(_child(*args.child)))
+        return
+    sys.path.insert(0, str(ROOT))
+    from traces.importers.mooncake import import_mooncake
+    from traces.trace import write_trace
+
+    work = Path(tempfile.mkdtemp(prefix="replayer-store-bench-"))
+    trace_dir = write_trace(import_mooncake(SOURCE, limit=args.limit, engine=ENGINE),
+                            work / "conv")
+    print(f"{'backend':<9} {'wall s':>7} {'vllm s':>7} {'store s':>8} {'store/vllm':>10} "
+          f"{'puts':>6} {'puts/s':>7} {'gets':>6} {'gets/s':>7} {'MB moved':>9} {'hit':>6} "
+          f"{'from store':>10}")
+    digests = {}
+    for backend in ("memory", "mooncake"):
+        env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(ROOT))
+        out = subprocess.run([sys.executable, __file__, "--child", backend, str(trace_dir)],
+                             env=env, capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"{backend} failed:\n{out.stderr[-3000:]}")
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        digests[backend] = r["digest"]
+        print(f"{backend:<9} {r['wall_s']:>7.1f} {r['vllm_s']:>7.1f} {r['store_s']:>8.2f} "
+              f"{r['store_s'] / r['vllm_s']:>10.2f} {r['puts']:>6} "
+              f"{r['puts'] / r['wall_s']:>7.0f} {r['gets']:>6} {r['gets'] / r['wall_s']:>7.0f} "
+              f"{r['bytes'] / 2**20:>9.1f} {r['hit_rate']:>6.1%} {r['external']:>10}", flush=True)
+    print(f"backends agree (outcomes and keys): {digests['memory'] == digests['mooncake']}")
+
+
+if __name__ == "__main__":
+    main()
