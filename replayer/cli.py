@@ -351,6 +351,10 @@ def cmd_info(args) -> int:
     for key, expect in sorted(trace.goldens.items()):
         label = "any engine" if key == "*" else key
         print(f"goldens for {label}: {len(expect)} requests")
+    for key, expect in sorted(trace.store_goldens.items()):
+        label = "any engine" if key == "*" else key
+        n = sum(len(b) for g in expect.get("puts", {}).values() for b in g.values())
+        print(f"store goldens for {label}: {n} keys, {len(expect.get('lookups', {}))} lookups")
     return EXIT_OK
 
 
