@@ -13,8 +13,10 @@ agree.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,9 @@ ENGINE = {
 }
 
 
+POOL_BYTES = 3 * 1024 ** 3
+
+
 def _child(backend: str, trace_dir: str) -> dict:
     t0 = time.perf_counter()
     for k, v in {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch", "HF_HUB_OFFLINE": "1",
@@ -48,7 +53,9 @@ def _child(backend: str, trace_dir: str) -> dict:
     from replayer.store import StoreSpec
     from traces import read_trace
 
-    result = replay(read_trace(trace_dir), store=StoreSpec(backend))
+    # A pool larger than everything written: neither backend evicts, so both
+    # must agree exactly (Mooncake's eviction order is its own).
+    result = replay(read_trace(trace_dir), store=StoreSpec(backend, capacity_bytes=POOL_BYTES))
     rows = result.store["rows"]
     wall = time.perf_counter() - t0
     puts = [r for r in rows if r["op"] == "put" and r["result"] >= 0]
@@ -61,7 +68,8 @@ def _child(backend: str, trace_dir: str) -> dict:
             "bytes": sum(r["bytes"] for r in puts + gets),
             "hit_rate": result.summary()["hit_rate"],
             "external": sum(r["num_external_cached_tokens"] or 0 for r in result.requests),
-            "digest": hash(json.dumps(d, sort_keys=True))}
+            "digest": hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest(),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def main() -> None:
@@ -81,7 +89,7 @@ def main() -> None:
                             work / "conv")
     print(f"{'backend':<9} {'wall s':>7} {'vllm s':>7} {'store s':>8} {'store/vllm':>10} "
           f"{'puts':>6} {'puts/s':>7} {'gets':>6} {'gets/s':>7} {'MB moved':>9} {'hit':>6} "
-          f"{'from store':>10}")
+          f"{'from store':>10} {'rss MB':>7}")
     digests = {}
     for backend in ("memory", "mooncake"):
         env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(ROOT))
@@ -94,7 +102,8 @@ def main() -> None:
         print(f"{backend:<9} {r['wall_s']:>7.1f} {r['vllm_s']:>7.1f} {r['store_s']:>8.2f} "
               f"{r['store_s'] / r['vllm_s']:>10.2f} {r['puts']:>6} "
               f"{r['puts'] / r['wall_s']:>7.0f} {r['gets']:>6} {r['gets'] / r['wall_s']:>7.0f} "
-              f"{r['bytes'] / 2**20:>9.1f} {r['hit_rate']:>6.1%} {r['external']:>10}", flush=True)
+              f"{r['bytes'] / 2**20:>9.1f} {r['hit_rate']:>6.1%} {r['external']:>10} "
+              f"{r['peak_rss_mb']:>7.0f}", flush=True)
     print(f"backends agree (outcomes and keys): {digests['memory'] == digests['mooncake']}")
 
 

@@ -53,7 +53,7 @@ from ..store.memory import MemoryStore, ReplicateConfig
 from ..store.recording import RecordingStore
 
 CONNECTOR_NAMES = {"mooncake_store": "MooncakeStoreConnector"}
-SEGMENT_BYTES = 512 * 1024 * 1024          # the real master's pool, unless --store-capacity
+SEGMENT_BYTES = 4 * 1024 ** 3   # the real pool (Mooncake's default), touched lazily; --store-capacity
 LOCAL_BUFFER_BYTES = 64 * 1024 * 1024
 
 
