@@ -98,29 +98,9 @@ def write_trace(trace: Trace, out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def write_golden(trace_dir: str | os.PathLike, engine_key: str, table: pa.Table,
-                 store: bool = False) -> Path:
-    """Replace one engine's golden table (or store golden) in a trace dir, atomically."""
-    gdir = Path(trace_dir) / schema.GOLDEN_DIR
-    gdir.mkdir(exist_ok=True)
-    target = gdir / golden_file(engine_key, store=store)
-    fd, tmp = tempfile.mkstemp(prefix=".golden.", dir=gdir)
-    os.close(fd)
-    try:
-        _write_table(Path(tmp), table)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def write_table_atomic(path: str | os.PathLike, spec: schema.Table,
-                       rows: list[dict[str, Any]]) -> Path:
-    """One table from rows, written under a temporary name and renamed."""
-    target = Path(path)
+def _replace_file(target: Path, table: pa.Table) -> Path:
+    """Write ``table`` under a temporary name beside ``target``, then rename it."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(rows, schema=spec.arrow_schema())
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     os.close(fd)
     try:
@@ -130,6 +110,19 @@ def write_table_atomic(path: str | os.PathLike, spec: schema.Table,
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def write_golden(trace_dir: str | os.PathLike, engine_key: str, table: pa.Table,
+                 store: bool = False) -> Path:
+    """Replace one engine's golden table (or store golden) in a trace dir, atomically."""
+    gdir = Path(trace_dir) / schema.GOLDEN_DIR
+    return _replace_file(gdir / golden_file(engine_key, store=store), table)
+
+
+def write_table_atomic(path: str | os.PathLike, spec: schema.Table,
+                       rows: list[dict[str, Any]]) -> Path:
+    """One table from rows, written under a temporary name and renamed."""
+    return _replace_file(Path(path), pa.Table.from_pylist(rows, schema=spec.arrow_schema()))
 
 
 def _read_table(path: Path, spec: schema.Table) -> pa.Table:
