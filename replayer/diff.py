@@ -124,5 +124,5 @@ def diff_table(d: EngineDiff) -> str:
         out.append(f"identical: {d.requests} requests, the same outcome on A and B")
     else:
         out.append(f"{d.requests} requests: {d.gained} gained, {d.lost} lost, "
-                   f"{d.unchanged} unchanged; {d.tokens_gained:+d} tokens gained on B")
+                   f"{d.unchanged} unchanged; tokens gained on B: {d.tokens_gained:+d}")
     return "\n".join(out)

@@ -1,0 +1,78 @@
+"""Helpers for the engine tests: the CLI with an environment, vLLM source trees, git repos."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = REPO / "fixtures" / "scenarios"
+
+# The EAGLE drop in vLLM 0.33's full-attention lookup: with a prefix-match unit
+# finer than the block it drops one unit. The patch drops a whole block instead,
+# which is what 0.29 effectively did: the #51295 turn 2 then hits 23040, not 24448.
+DROP_FILE = Path("v1") / "core" / "single_type_kv_cache_manager.py"
+DROP_LINE = "            hit_length -= min(alignment_tokens, block_size)\n"
+PATCHED_LINE = "            hit_length -= block_size\n"
+
+SOURCE_SUFFIXES = (".py", ".pyi", ".json", ".jinja", ".typed")
+
+
+def cli(*args: object, env: dict[str, str] | None = None, timeout: float = 600):
+    """``python -m replayer ARGS`` in a fresh interpreter, from the repository root."""
+    full = {k: v for k, v in os.environ.items() if k != "_PREFIX_REPLAYER_PINNED"}
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "replayer", *map(str, args)], cwd=REPO,
+                          env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def installed_vllm_package() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def copy_vllm_sources(dest: Path, *, bytecode: bool) -> Path:
+    """A copy of the installed ``vllm`` package's Python sources (no kernels).
+
+    ``bytecode`` keeps ``__pycache__`` (mtimes are copied too, so it stays valid
+    and the copy imports as fast as the installed package).
+    """
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        out = []
+        for n in names:
+            if os.path.isdir(os.path.join(folder, n)):
+                if n == "__pycache__" and not bytecode:
+                    out.append(n)
+            elif not n.endswith(SOURCE_SUFFIXES + ((".pyc",) if bytecode else ())):
+                out.append(n)
+        return out
+
+    shutil.copytree(installed_vllm_package(), dest, ignore=ignore)
+    return dest
+
+
+def patch_eagle_drop(package: Path) -> None:
+    """Edit the one line of the EAGLE drop (fails loudly if vLLM moved it)."""
+    path = package / DROP_FILE
+    text = path.read_text()
+    assert text.count(DROP_LINE) == 1, f"the EAGLE drop line is not in {path} exactly once"
+    path.write_text(text.replace(DROP_LINE, PATCHED_LINE))
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com"}
+    proc = subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def init_repo(repo: Path) -> None:
+    repo.mkdir(parents=True, exist_ok=True)
+    git(repo, "init", "-q")
+    (repo / ".gitignore").write_text("__pycache__/\n")

@@ -1,0 +1,131 @@
+"""Replays on other vLLM builds: real 0.29.0 and 0.33.0 sources, a patched tree, bisect.
+
+Releases come from the wheel cache (``$PREFIX_REPLAYER_CACHE``, else
+``~/.cache/prefix-replayer``): the first run on a clean machine downloads
+vllm==0.29.0 and vllm==0.33.0 once (about 330 MB each) and keeps only their
+Python sources. Every other engine here is a copy of the installed package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers_engines import (REPO, SCENARIOS, cli, copy_vllm_sources, git, init_repo,
+                             patch_eagle_drop)
+from traces import load_target
+
+PAIR = ("vllm51295_turn1_24576", "vllm51295_turn1_24577")
+
+pytestmark = pytest.mark.slow       # each engine process costs ~10 s of vLLM imports
+
+
+@pytest.fixture(scope="module")
+def quiet_vllm():
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_LOGS", "-torch")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def test_0290_checks_every_fixture_against_its_own_goldens():
+    """0.29.0 shows the #51295 miss as upstream reported it: 23040, then a full miss."""
+    goldens = {name: load_target(SCENARIOS / f"{name}.yaml").goldens for name in PAIR}
+    assert goldens["vllm51295_turn1_24576"]["vllm==0.29.0"]["turn2"]["num_cached_tokens"] == 23040
+    assert goldens["vllm51295_turn1_24577"]["vllm==0.29.0"]["turn2"]["num_cached_tokens"] == 0
+    for name in PAIR:
+        assert goldens[name]["vllm==0.33.0"]["turn2"]["num_cached_tokens"] == 24448
+
+    proc = cli("check", "--engine", "vllm==0.29.0", "fixtures/scenarios", "fixtures/traces")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in PAIR:
+        assert (f"PASS fixtures/scenarios/{name}.yaml: 2 request(s) match the goldens for "
+                "vllm==0.29.0 (engine vllm==0.29.0)") in proc.stdout
+    assert "FAIL" not in proc.stdout
+    n = len(list(SCENARIOS.glob("*.yaml"))) + len(list((REPO / "fixtures" / "traces").iterdir()))
+    assert proc.stdout.count("PASS ") == n
+    # The one setting 0.29 lacks is said once, on stderr, and nothing else is.
+    assert proc.stderr == ("replayer: note: vLLM 0.29.0 has no lookahead block hashes: replayed "
+                           "with the EAGLE drop on (engine.speculative."
+                           "disable_lookahead_block_hashes is 0.33's)\n")
+
+
+def test_installed_and_release_0330_give_identical_output(quiet_vllm):
+    """The same release from the wheel's sources replays exactly as the installed one."""
+    from replayer.engine_process import EngineProcess
+    from replayer.replay import replay
+
+    names = [*PAIR, "sliding_window", "reset_prefix_cache", "shared_system_prompt_hybrid"]
+    traces = [load_target(SCENARIOS / f"{n}.yaml") for n in names]
+    with EngineProcess("vllm==0.33.0") as release:
+        seen = []
+        on_release = [release.replay(t, progress=seen.append) for t in traces]
+    assert seen and seen[-1].done == seen[-1].total          # progress crossed the process
+    on_installed = [replay(t) for t in traces]
+    for name, a, b in zip(names, on_installed, on_release):
+        assert a.engine.as_dict() == {"vllm": "0.33.0", "source": "installed"}
+        assert b.engine.as_dict() == {"vllm": "0.33.0", "source": "release"}
+        da, db = a.as_dict(), b.as_dict()
+        da.pop("engine"), db.pop("engine")
+        assert da == db, name
+    assert {r["id"]: r["num_cached_tokens"] for r in on_release[1].requests} == {
+        "turn1": 0, "turn2": 24448}
+
+
+def test_patched_tree_changes_51295_and_diff_shows_it(tmp_path):
+    tree = copy_vllm_sources(tmp_path / "vllm", bytecode=True)
+    patch_eagle_drop(tree)
+    out = tmp_path / "diff.json"
+    proc = cli("diff", SCENARIOS / "vllm51295_turn1_24577.yaml", "--engine", "installed",
+               "--engine", tree, "--json", out)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[0].split() == ["request", "A", "cached", "B", "cached", "delta"]
+    assert lines[1].split() == ["turn2", "24448", "23040", "-1408"]     # only what differs
+    assert f"B: vllm 0.33.0 (tree {tree})" in lines
+    assert lines[-1] == "2 requests: 0 gained, 1 lost, 1 unchanged; tokens gained on B: -1408"
+    data = json.loads(out.read_text())
+    assert data["a"] == {"vllm": "0.33.0", "source": "installed"}
+    assert data["b"] == {"vllm": "0.33.0", "source": "tree", "path": str(tree),
+                         "commit": None, "dirty": None}
+    assert data["identical"] is False
+    assert data["requests"] == [{
+        "id": "turn2", "delta": -1408,
+        "a": {"num_cached_tokens": 24448, "num_local_cached_tokens": 24448,
+              "num_external_cached_tokens": 0},
+        "b": {"num_cached_tokens": 23040, "num_local_cached_tokens": 23040,
+              "num_external_cached_tokens": 0}}]
+    assert data["summary"] == {"requests": 2, "gained": 0, "lost": 1, "unchanged": 1,
+                               "tokens_gained": -1408}
+
+
+def test_bisect_over_commits_finds_the_patch(tmp_path):
+    repo = tmp_path / "vllm-src"
+    init_repo(repo)
+    copy_vllm_sources(repo / "vllm", bytecode=False)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "the installed sources")
+    patch_eagle_drop(repo / "vllm")
+    git(repo, "commit", "-qam", "drop a whole block for EAGLE")
+    with open(repo / "vllm" / "v1" / "core" / "block_pool.py", "a") as fh:
+        fh.write("# an unrelated change\n")
+    git(repo, "commit", "-qam", "unrelated")
+    good, culprit, bad = git(repo, "rev-list", "--reverse", "HEAD").split()
+    before = git(repo, "status", "--porcelain")
+
+    proc = cli("bisect", SCENARIOS / "vllm51295_turn1_24577.yaml", "--tree", repo,
+               "--good", "HEAD~2", "--bad", "HEAD")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"bisect over 3 commits of {repo}:"
+    label = f"vllm 0.33.0 (tree {repo} @ " + "{})"
+    assert lines[1:4] == [
+        f"  good  {label.format(good[:12])}  cached 24448  the reference",
+        f"  bad   {label.format(bad[:12])}  cached 23040  differs from good",
+        f"  try   {label.format(culprit[:12])}  cached 23040  differs from good"]
+    assert lines[4] == (f"first engine that differs from good: {label.format(culprit[:12])} "
+                        "(3 replays)")
+    assert "turn2       24448     23040  -1408" in proc.stdout
+    assert git(repo, "status", "--porcelain") == before         # the checkout is untouched

@@ -1,0 +1,246 @@
+"""Engine specs without running vLLM: bad specs, trees, the wheel cache, the bisect search.
+
+Every bad spec exits 2 with one line before anything is fetched or imported.
+The wheel cache is exercised through the real ``pip download`` against a
+local wheel (``PIP_NO_INDEX``/``PIP_FIND_LINKS``), from a cache directory that
+does not exist yet.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from helpers_engines import SCENARIOS, cli, git, init_repo
+from helpers_traces import assert_bad_input
+from replayer.engines import EngineError, EngineInfo
+from replayer.engines.releases import releases_between, release_sources
+from replayer.engines.specs import parse_spec, resolve
+from replayer.engines.trees import git_identity
+
+FIXTURE = SCENARIOS / "vllm51295_turn1_24577.yaml"
+
+
+def fake_tree(root: Path, version: str | None = "0.33.0") -> Path:
+    """The smallest directory the spec parser takes for a vLLM checkout."""
+    core = root / "vllm" / "v1" / "engine" / "core.py"
+    core.parent.mkdir(parents=True)
+    core.write_text("# EngineCore\n")
+    (root / "vllm" / "__init__.py").write_text("")
+    if version is not None:
+        (root / "vllm" / "_version.py").write_text(
+            f"__version__ = version = '{version}'\n")
+    return root
+
+
+# --- bad specs: one line, exit 2, nothing run ------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["run", "check", "diff"])
+def test_release_without_patch_number(command):
+    args = [command, FIXTURE, "--engine", "vllm==0.29"]
+    if command == "diff":
+        args += ["--engine", "installed"]
+    assert_bad_input(cli(*args), "engine 'vllm==0.29'", "vllm==X.Y.Z")
+
+
+def test_release_with_another_operator():
+    assert_bad_input(cli("run", FIXTURE, "--engine", "vllm>=0.29.0"), "vllm==X.Y.Z")
+
+
+def test_release_outside_every_range_names_the_ranges():
+    line = assert_bad_input(cli("run", FIXTURE, "--engine", "vllm==0.28.0"),
+                            "engine 'vllm==0.28.0'", "no adapter for vLLM 0.28.0")
+    assert line.endswith("(supported release ranges: 0.29.x-0.32.x, 0.33.x)")
+
+
+def test_unknown_word_is_neither_spec_nor_path():
+    assert_bad_input(cli("run", FIXTURE, "--engine", "nightly"), "engine 'nightly'",
+                     "not 'installed', vllm==X.Y.Z or the path of a vLLM source tree")
+
+
+def test_directory_that_is_not_a_vllm_tree(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    assert_bad_input(cli("run", FIXTURE, "--engine", tmp_path), "not a vLLM source tree",
+                     "v1/engine/core.py")
+
+
+def test_tree_whose_release_cannot_be_told(tmp_path):
+    tree = fake_tree(tmp_path / "t", version=None)
+    assert_bad_input(cli("check", FIXTURE, "--engine", tree),
+                     "cannot tell which vLLM release this tree is")
+
+
+def test_tree_of_an_unsupported_release(tmp_path):
+    tree = fake_tree(tmp_path / "t", version="0.20.1")
+    assert_bad_input(cli("run", FIXTURE, "--engine", tree / "vllm"),
+                     "no adapter for vLLM 0.20.1", "0.29.x-0.32.x, 0.33.x")
+
+
+def test_diff_needs_exactly_two_engines():
+    assert_bad_input(cli("diff", FIXTURE, "--engine", "installed"),
+                     "diff takes exactly two --engine options (A, then B), got 1")
+
+
+def test_bisect_over_releases_needs_releases():
+    assert_bad_input(cli("bisect", FIXTURE, "--good", "installed", "--bad", "vllm==0.29.0"),
+                     "bisect over releases takes --good and --bad as vllm==X.Y.Z")
+
+
+def test_bisect_unknown_commit(tmp_path):
+    repo = fake_tree(tmp_path / "repo")
+    init_repo(repo)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "one")
+    assert_bad_input(cli("bisect", FIXTURE, "--tree", repo, "--good", "nope", "--bad", "HEAD"),
+                     f"--tree {repo}: no commit 'nope'")
+
+
+# --- trees: release and identity ---------------------------------------------------------
+
+
+def test_tree_identity_in_and_out_of_git(tmp_path):
+    outside = fake_tree(tmp_path / "plain")
+    assert git_identity(outside) == (None, None)
+    spec = resolve(str(outside / "vllm"))           # the package directory works too
+    assert spec.info == EngineInfo("0.33.0", "tree", path=str(outside / "vllm"),
+                                   commit=None, dirty=None)
+    assert spec.sources == str(outside / "vllm")
+
+    repo = fake_tree(tmp_path / "repo")
+    init_repo(repo)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "one")
+    head = git(repo, "rev-parse", "HEAD")
+    assert git_identity(repo) == (head, False)
+    (repo / "vllm" / "__pycache__").mkdir()         # ignored: still clean
+    (repo / "vllm" / "__pycache__" / "x.pyc").write_bytes(b"")
+    assert git_identity(repo) == (head, False)
+    with open(repo / "vllm" / "v1" / "engine" / "core.py", "a") as fh:
+        fh.write("# patched\n")
+    info = resolve(str(repo)).info
+    assert (info.commit, info.dirty) == (head, True)
+    assert info.as_dict() == {"vllm": "0.33.0", "source": "tree", "path": str(repo),
+                              "commit": head, "dirty": True}
+    assert info.label == f"vllm 0.33.0 (tree {repo} @ {head[:12]}, dirty)"
+    assert info.key == "vllm==0.33.0"
+
+
+def test_checkout_without_version_file_uses_its_tag(tmp_path):
+    repo = fake_tree(tmp_path / "repo", version=None)
+    init_repo(repo)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "one")
+    git(repo, "tag", "v0.31.0")
+    assert parse_spec(str(repo)).version == "0.31.0"
+
+
+def test_installed_and_release_blocks_name_no_tree():
+    assert EngineInfo("0.33.0").as_dict() == {"vllm": "0.33.0", "source": "installed"}
+    assert EngineInfo("0.29.0", "release").label == "vllm 0.29.0 (release)"
+
+
+# --- the wheel cache, from nothing, through the real pip ---------------------------------
+
+
+def fake_wheel(folder: Path, version: str) -> Path:
+    """A minimal valid wheel named like vLLM's, with a kernel that must not be kept."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"vllm-{version}-py3-none-any.whl"
+    dist = f"vllm-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("vllm/__init__.py", "")
+        zf.writestr("vllm/v1/engine/core.py", "# EngineCore\n")
+        zf.writestr("vllm/model_executor/configs/x.json", "{}")
+        zf.writestr("vllm/_C.abi3.so", b"\x7fELF not really")
+        zf.writestr("vllm/csrc/kernel.cu", "// CUDA")
+        zf.writestr(f"{dist}/METADATA",
+                    f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+        zf.writestr(f"{dist}/WHEEL",
+                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                    "Tag: py3-none-any\n")
+        zf.writestr(f"{dist}/RECORD", "")
+    return path
+
+
+def test_release_cache_starts_from_nothing(tmp_path, monkeypatch):
+    cache = tmp_path / "not" / "yet" / "there"
+    wheels = tmp_path / "index"
+    fake_wheel(wheels, "0.29.0")
+    monkeypatch.setenv("PREFIX_REPLAYER_CACHE", str(cache))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+
+    spec = resolve("vllm==0.29.0")
+    pkg = cache / "releases" / "vllm-0.29.0" / "vllm"
+    assert spec.sources == str(pkg)
+    assert spec.info == EngineInfo("0.29.0", "release")
+    kept = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*") if p.is_file())
+    assert kept == ["__init__.py", "model_executor/configs/x.json", "v1/engine/core.py"]
+    # Nothing but the release and its lock: no wheel, no half-extracted folder.
+    assert sorted(p.name for p in (cache / "releases").iterdir()) == [
+        ".vllm-0.29.0.lock", "vllm-0.29.0"]
+
+    # Fetched once: a second resolve needs no wheel at all.
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
+    assert release_sources("0.29.0") == pkg
+
+    # A release pip cannot find: one clear error, nothing left behind.
+    with pytest.raises(EngineError, match=r"engine vllm==0.31.0: could not fetch the wheel"):
+        release_sources("0.31.0")
+    assert not (cache / "releases" / "vllm-0.31.0").exists()
+    assert not [p for p in (cache / "releases").iterdir() if p.name.startswith(".vllm-0.31.0.")
+                and not p.name.endswith(".lock")]
+
+
+# --- bisect: the line and the search ----------------------------------------------------
+
+
+def test_release_line_runs_from_good_to_bad():
+    from replayer.bisect import release_line
+
+    assert releases_between("0.29.0", "0.31.0") == ["0.29.0", "0.30.0", "0.31.0"]
+    assert release_line("vllm==0.29.0", "vllm==0.31.0") == [
+        "vllm==0.29.0", "vllm==0.30.0", "vllm==0.31.0"]
+    assert release_line("vllm==0.33.0", "vllm==0.31.0") == [
+        "vllm==0.33.0", "vllm==0.32.0", "vllm==0.31.0"]
+    # An end that is not on the known list is still on the line.
+    assert releases_between("0.32.0", "0.33.1") == ["0.32.0", "0.33.0", "0.33.1"]
+    with pytest.raises(EngineError, match="both vllm==0.30.0"):
+        release_line("vllm==0.30.0", "vllm==0.30.0")
+
+
+def _fake_result(index: int, cached: int):
+    from replayer.replay import ReplayResult
+
+    req = {"id": "r", "num_prompt_tokens": 100, "num_cached_tokens": cached,
+           "num_local_cached_tokens": cached, "num_external_cached_tokens": 0}
+    return ReplayResult(engine=EngineInfo(f"0.{index}.0", "release"), requests=[req], steps=3)
+
+
+def test_search_finds_the_first_engine_that_differs_in_few_replays():
+    from replayer.bisect import search
+
+    tried: list[int] = []
+
+    def replay_one(i: int):
+        tried.append(i)
+        return _fake_result(i, 64 if i < 5 else 32)
+
+    res = search(list(range(9)), replay_one)
+    assert res.first_bad is not None and res.first_bad.index == 5
+    assert tried == [0, 8, 4, 6, 5]                 # good, bad, then halving
+    assert [(p.role, p.matched_good) for p in res.path] == [
+        ("good", True), ("bad", False), ("try", True), ("try", False), ("try", False)]
+    assert res.change is not None and res.change.a.vllm == "0.4.0"
+    assert res.change.b.vllm == "0.5.0" and res.change.tokens_gained == -32
+
+
+def test_search_when_bad_matches_good():
+    from replayer.bisect import search
+
+    res = search([0, 1, 2], lambda i: _fake_result(i, 64))
+    assert res.first_bad is None
+    assert [p.index for p in res.path] == [0, 2]
