@@ -3,7 +3,7 @@
 A release replays from its own Python sources placed first on ``sys.path``
 over the installed vLLM (the compiled kernels are never needed: the replay
 runs no model). So only the wheel's Python files are kept: ``pip download
---no-deps`` fetches the wheel once (about 330 MB), the sources (about 40 MB)
+--no-deps`` fetches the wheel once (about 330 MB), the sources (45-60 MB)
 are extracted under the cache directory, and the wheel is deleted. An
 extracted release is never changed again; it appears under its final name
 only when complete, so an interrupted fetch leaves nothing half-written and a
