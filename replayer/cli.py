@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("targets", nargs="+", help="scenarios, trace directories, or folders of them")
     check.add_argument("--update-golden", action="store_true",
                        help="rewrite the goldens from this replay (still exits 1, for review)")
+    check.add_argument("--against", choices=["goldens", "recorded"], default="goldens",
+                       help="compare with the goldens (default), or with what a recorded trace "
+                            "itself observed: outcomes, steps, store keys")
     engine_opts(check)
 
     diff = sub.add_parser("diff", help="replay a target on two engines; print what differs")
@@ -101,6 +104,14 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="print a trace's header and table sizes")
     info.add_argument("target")
+
+    anon = sub.add_parser("anonymize", help="replace token ids by block-hash-derived tokens")
+    anon.add_argument("target", help="trace directory (or scenario)")
+    anon.add_argument("-o", "--output", required=True, help="trace directory to write")
+    anon.add_argument("--unit", type=int, help="tokens per hashed chunk (default: the largest "
+                                               "that divides every block size and the PMU)")
+    anon.add_argument("--secret", metavar="HEX",
+                      help="hash key, for reproducible ids (default: random, never stored)")
     return p
 
 
@@ -151,6 +162,7 @@ def cmd_run(args) -> int:
 
     parse_spec(args.engine)                 # a bad spec is reported before anything runs
     trace = load_target(args.target)
+    _note_skipped(trace)
     if args.store_ops and not trace.engine.get("connector"):
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
     result = _replay(trace, args)
@@ -191,6 +203,10 @@ def cmd_check(args) -> int:
     spec = parse_spec(args.engine)
     paths = _expand_targets(args.targets)
     traces = [(p, load_target(p)) for p in paths]   # all bad input is reported before any replay
+    for _, trace in traces:
+        _note_skipped(trace)
+    if args.against == "recorded":
+        return _check_recorded(args, traces)
     worst = EXIT_OK
     with replayer(spec) as run:                     # one engine process for every target
         for path, trace in traces:
@@ -200,6 +216,35 @@ def cmd_check(args) -> int:
                 print(f"SKIP {path}: {exc}")
                 continue
             worst = max(worst, _check_one(args, path, trace, result))
+    return worst
+
+
+def _note_skipped(trace) -> None:
+    for part in getattr(trace, "skipped_parts", ()):
+        print(f"replayer: note: skipped half-written part {part}", file=sys.stderr)
+
+
+def _check_recorded(args, traces) -> int:
+    """``check --against recorded``: each replay against its own recording."""
+    from .fidelity import check_against_recorded
+    from .store import parse_store_spec
+
+    if args.update_golden:
+        raise TraceError("--against recorded", "recorded observations are never rewritten "
+                                               "(drop --update-golden)")
+    if args.engine != "installed":
+        raise TraceError("--against recorded", "replays on the installed vLLM only")
+    try:
+        store = parse_store_spec(args.store, args.store_capacity)
+    except ValueError as exc:
+        raise TraceError("--store", str(exc).split(": ", 1)[-1]) from None
+    worst = EXIT_OK
+    for path, trace in traces:
+        lines, ok, _ = check_against_recorded(trace, store=store)
+        print(f"{'PASS' if ok else 'FAIL'} {path}: {lines[0]}")
+        for line in lines[1:]:
+            print(line)
+        worst = max(worst, EXIT_OK if ok else EXIT_MISMATCH)
     return worst
 
 
@@ -344,10 +389,17 @@ def cmd_info(args) -> int:
         size = ""
         if trace.path is not None and trace.path.is_dir():
             f = trace.path / schema.TABLES[name].file
-            size = f", {f.stat().st_size} bytes on disk"
+            if f.exists():
+                size = f", {f.stat().st_size} bytes on disk"
+            else:                                   # a recorded table: a folder of parts
+                parts = sorted((trace.path / name).glob("part-*.parquet"))
+                size = (f", {sum(p.stat().st_size for p in parts)} bytes on disk "
+                        f"in {len(parts)} part(s)")
         print(f"{name}: {table.num_rows} rows, {table.num_columns} columns{size}")
     rq = trace.requests
     print(f"prompt tokens: {sum(rq['num_prompt_tokens'].to_pylist())}")
+    for part in trace.skipped_parts:
+        print(f"skipped half-written part: {part}")
     for key, expect in sorted(trace.goldens.items()):
         label = "any engine" if key == "*" else key
         print(f"goldens for {label}: {len(expect)} requests")
@@ -358,8 +410,33 @@ def cmd_info(args) -> int:
     return EXIT_OK
 
 
+def cmd_anonymize(args) -> int:
+    from traces.trace import write_trace
+
+    from .anonymize import anonymize, default_unit
+
+    if args.unit is not None and args.unit < 1:
+        return _err("--unit must be at least 1")
+    secret = None
+    if args.secret is not None:
+        try:
+            secret = bytes.fromhex(args.secret)
+        except ValueError:
+            return _err(f"--secret must be hexadecimal, got {args.secret!r}")
+        if not 1 <= len(secret) <= 64:
+            return _err("--secret must be 1 to 64 bytes")
+    trace = load_target(args.target)
+    _note_skipped(trace)
+    unit = args.unit or default_unit(trace.engine)
+    out = write_trace(anonymize(trace, unit=unit, secret=secret), args.output)
+    print(f"wrote {out} ({trace.requests.num_rows} requests; tokens replaced by ids of "
+          f"{unit}-token chunks)")
+    return EXIT_OK
+
+
 COMMANDS = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "bisect": cmd_bisect,
-            "compile": cmd_compile, "import": cmd_import, "info": cmd_info}
+            "compile": cmd_compile, "import": cmd_import, "info": cmd_info,
+            "anonymize": cmd_anonymize}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

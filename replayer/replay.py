@@ -82,6 +82,19 @@ def store_json(report: dict[str, Any]) -> dict[str, Any]:
                     for op in sorted({r["op"] for r in rows})}}
 
 
+def recorded_accepted(trace: Trace) -> dict[tuple[int, str], int]:
+    """(step, request) -> drafts accepted in the recording's steps table, where known.
+
+    Replay holds the null model to these, so a recording where drafts were
+    rejected replays the same schedule (the null model would accept all)."""
+    steps = trace.steps
+    if steps is None or "num_accepted_tokens" not in steps.column_names:
+        return {}
+    return {(s, rid): a for s, rid, a in zip(steps["step"].to_pylist(), steps["id"].to_pylist(),
+                                              steps["num_accepted_tokens"].to_pylist())
+            if a is not None}
+
+
 def default_max_model_len(trace: Trace, extra: int) -> int:
     rows = trace.requests
     longest = max(n + o for n, o in zip(rows["num_prompt_tokens"].to_pylist(),
@@ -135,6 +148,11 @@ def replay(trace: Trace, engine_spec: Any = "installed",
         with engine_hash_seed(header_engine):
             engine = open_engine(header_engine, max_len, engine_spec, store=store)
     t_ready = time.perf_counter()
+    hold = getattr(engine, "hold_accepted", None)
+    if hold is not None and trace.steps is not None:
+        accepted = recorded_accepted(trace)
+        if accepted:
+            hold(accepted)
     n = len(rows.ids)
     index = {rid: i for i, rid in enumerate(rows.ids)}
     timed = sorted((rows.arrival_step[i] or 0, i) for i in range(n) if rows.after[i] is None)

@@ -21,6 +21,7 @@ from . import schema, store_goldens
 from .errors import TraceError
 from .goldens import Goldens, expect_from_table, table_from_results
 from .validate import validate_header, validate_table, validate_trace
+from .writer import read_parts
 
 
 @dataclass
@@ -36,6 +37,8 @@ class Trace:
     # engine key -> store golden (see traces.store_goldens); traces with a connector
     store_goldens: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None
+    # Half-written parts of a recorded trace (temporary names a kill left); skipped.
+    skipped_parts: list[str] = field(default_factory=list)
 
     @property
     def engine(self) -> dict[str, Any]:
@@ -145,15 +148,33 @@ def read_header(trace_dir: str | os.PathLike) -> dict[str, Any]:
     return validate_header(path, header)
 
 
+def _sorted_by_arrival(table: pa.Table | None) -> pa.Table | None:
+    """Recorded requests are written as they finish; replay reads them in arrival order."""
+    if table is None or "arrival_order" not in table.column_names:
+        return table
+    return table.sort_by([("arrival_order", "ascending")])
+
+
 def read_trace(trace_dir: str | os.PathLike) -> Trace:
     """Read and validate a trace directory; errors name file, column and row."""
     root = Path(trace_dir)
     header = read_header(root)
     tables: dict[str, pa.Table | None] = {}
+    skipped: list[str] = []
     for name, spec in schema.TABLES.items():
         path = root / spec.file
+        if path.exists() and (root / spec.name).is_dir():
+            raise TraceError(root / spec.name, f"both {spec.file} and a folder of parts; "
+                                               "a table is one or the other")
         if path.exists():
             tables[name] = _read_table(path, spec)
+        elif (root / spec.name).is_dir():
+            # A recorded table: complete parts merged in order (traces.writer).
+            got = read_parts(root / spec.name, spec, _read_table)
+            skipped += got.skipped
+            tables[name] = _sorted_by_arrival(got.table) if name == "requests" else got.table
+            if tables[name] is None and spec.required:
+                raise TraceError(root / spec.name, "holds no complete part")
         elif spec.required:
             raise TraceError(path, "missing (every trace has a requests table)")
         else:
@@ -172,6 +193,6 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
             else:
                 goldens[key] = expect_from_table(table)
     trace = Trace(header=header, goldens=goldens, store_goldens=store_gold, path=root,
-                  **tables)  # type: ignore[arg-type]
+                  skipped_parts=skipped, **tables)  # type: ignore[arg-type]
     validate_trace(root, trace)
     return trace

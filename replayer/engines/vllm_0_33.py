@@ -258,10 +258,15 @@ class Vllm033Engine:
     """The real EngineCore, driven one step at a time by the replay loop."""
 
     def __init__(self, engine: dict[str, Any], max_model_len: int, version: str,
-                 store=None) -> None:
+                 store=None, record_dir: str | None = None) -> None:
         self.info = EngineInfo(vllm=version)
         NullExecutor.layer_specs = layer_specs(engine)
         self.config = build_vllm_config(engine, max_model_len)
+        if record_dir is not None:
+            # Record this run through vLLM's own hooks (replayer.recorder).
+            from ..recorder.install import install_recorder
+
+            install_recorder(self.config, record_dir)
         self.session = None
         self._boundaries: dict[str, tuple[int, str]] = {}
         self._step = 0
@@ -292,6 +297,8 @@ class Vllm033Engine:
         self.num_spec = self.config.num_speculative_tokens if self.config.speculative_config else 0
         self._outputs: dict[str, list[int]] = {}  # request id -> output tokens
         self._sampled: list[str] = []
+        # (step, request id) -> drafts accepted, from a recorded steps table.
+        self._accepted: dict[tuple[int, str], int] | None = None
 
     # -- the model seam -------------------------------------------------
     def _model_output(self, so) -> ModelRunnerOutput:
@@ -311,6 +318,8 @@ class Vllm033Engine:
             if req.num_computed_tokens >= req.num_tokens:
                 n = req.num_output_tokens
                 k = 1 + len(spec.get(rid, ()))
+                if self._accepted is not None:
+                    k = 1 + min(k - 1, self._accepted.get((self._step - 1, rid), k - 1))
                 sampled.append(self._outputs[rid][n:n + k])
                 self._sampled.append(rid)
             else:
@@ -373,6 +382,10 @@ class Vllm033Engine:
                     result.finished.append(out.request_id)
                     self._outputs.pop(out.request_id, None)
         return result
+
+    def hold_accepted(self, accepted: dict[tuple[int, str], int]) -> None:
+        """Accept only as many drafts per step as the recording did (its steps table)."""
+        self._accepted = accepted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_requests()

@@ -1,0 +1,122 @@
+"""Replaying a recording and comparing it with what the recording itself saw.
+
+``replayer check --against recorded TRACE`` replays a recorded trace with the
+recorder installed (:mod:`replayer.recorder`) into a scratch directory, so
+the replay's observations come out in exactly the recording's tables, and
+compares them table by table: per-request outcomes, the schedule (steps),
+and the store's keys. It is the first check to run on a new recording: a
+difference means the replay does not reproduce production, before any
+golden is looked at.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from traces import Trace
+from traces.errors import TraceError
+from traces.trace import read_trace
+
+from .determinism import engine_hash_seed
+from .engines import EngineInfo, installed_vllm_version
+from .replay import ReplayResult, replay, resolved_engine
+
+# Store operations compared by key (puts, gets, lookups); their order across a
+# worker's threads and the step a put completes in are not the replay's to pin.
+STORE_OPS_COMPARED = ("lookup", "put", "get")
+MAX_LINES = 10
+
+
+def record_replay(trace: Trace, out_dir: str | Path, store: Any = None) -> ReplayResult:
+    """Replay ``trace`` on the installed vLLM with the recorder writing to ``out_dir``."""
+    from .engines.vllm_0_33 import Vllm033Engine
+
+    engine, max_len, _ = resolved_engine(trace)
+    version = installed_vllm_version()
+    with engine_hash_seed(engine):
+        adapter = Vllm033Engine(engine, max_len, version, store=store, record_dir=str(out_dir))
+    adapter.info = EngineInfo(vllm=version)
+    try:
+        return replay(trace, engine=adapter)
+    finally:
+        adapter.close()
+
+
+def _rows(table, cols: tuple[str, ...]) -> list[tuple]:
+    if table is None:
+        return []
+    data = [table[c].to_pylist() if c in table.column_names else [None] * table.num_rows
+            for c in cols]
+    return list(zip(*data))
+
+
+def compare(recorded: Trace, fresh: Trace) -> list[str]:
+    """Differences between a recording and a replay of it, one line each."""
+    diffs: list[str] = []
+    cols = ("id", "num_prompt_tokens", "num_cached_tokens", "num_local_cached_tokens",
+            "num_external_cached_tokens")
+    want = {r[0]: r for r in _rows(recorded.outcomes, cols)}
+    got = {r[0]: r for r in _rows(fresh.outcomes, cols)}
+    for rid, row in want.items():
+        other = got.get(rid)
+        if other is None:
+            diffs.append(f"outcome of {rid}: recorded, but the replay never prefilled it")
+            continue
+        for name, a, b in zip(cols[1:], row[1:], other[1:]):
+            if a != b:
+                diffs.append(f"outcome of {rid}: {name} recorded {a}, replayed {b}")
+    for rid in got.keys() - want.keys():
+        diffs.append(f"outcome of {rid}: replayed, but not in the recording")
+    if recorded.steps is not None:
+        scols = ("step", "id", "num_scheduled_tokens", "num_accepted_tokens")
+        a, b = _rows(recorded.steps, scols), _rows(fresh.steps, scols)
+        if a != b:
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            x = a[first] if first < len(a) else None
+            y = b[first] if first < len(b) else None
+            diffs.append(f"steps: {len(a)} recorded rows, {len(b)} replayed; first difference at "
+                         f"row {first}: recorded {x}, replayed {y}")
+    if recorded.store_ops is not None:
+        ocols = ("op", "key", "group", "result")
+        keep = lambda rows: Counter(r for r in rows if r[0] in STORE_OPS_COMPARED)  # noqa: E731
+        a, b = keep(_rows(recorded.store_ops, ocols)), keep(_rows(fresh.store_ops, ocols))
+        if (recorded.header.get("source") or {}).get("anonymized"):
+            a = Counter((op, g, r) for (op, _, g, r), n in a.items() for _ in range(n))
+            b = Counter((op, g, r) for (op, _, g, r), n in b.items() for _ in range(n))
+        for row, n in sorted((a - b).items(), key=str)[:MAX_LINES]:
+            diffs.append(f"store: recorded {row[0]} {row[1:]} x{n} not in the replay")
+        for row, n in sorted((b - a).items(), key=str)[:MAX_LINES]:
+            diffs.append(f"store: replayed {row[0]} {row[1:]} x{n} not in the recording")
+    return diffs
+
+
+def check_against_recorded(trace: Trace, store: Any = None) -> tuple[list[str], bool, ReplayResult]:
+    """Replay a recorded trace and compare; (report lines, matched, the replay)."""
+    if trace.outcomes is None:
+        raise TraceError(trace.path or "trace", "has no outcomes table: --against recorded "
+                                                "needs a recorded trace")
+    scratch = Path(tempfile.mkdtemp(prefix="replayer-fidelity-"))
+    try:
+        result = record_replay(trace, scratch / "trace", store=store)
+        fresh = read_trace(scratch / "trace")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    diffs = compare(trace, fresh)
+    n_out = trace.outcomes.num_rows
+    parts = [f"{n_out} outcome(s)"]
+    if trace.steps is not None:
+        parts.append(f"{trace.steps.num_rows} step row(s)")
+    if trace.store_ops is not None:
+        parts.append(f"{trace.store_ops.num_rows} store op(s)")
+    what = ", ".join(parts)
+    if not diffs:
+        return [f"replay matches the recording: {what}"], True, result
+    lines = [f"replay differs from the recording ({what}): {len(diffs)} difference(s)"]
+    lines += [f"  {d}" for d in diffs[:MAX_LINES]]
+    if len(diffs) > MAX_LINES:
+        lines.append(f"  ... {len(diffs) - MAX_LINES} more")
+    return lines, False, result

@@ -1,0 +1,110 @@
+"""A recorded trace's header, read from the live vLLM 0.33 config objects.
+
+The engine block uses the same names the replayer builds vLLM from
+(:mod:`traces.engine_spec`), so a recording replays on the geometry it ran
+with: KV-cache groups and block sizes as vLLM resolved them, hash algorithm
+and ``PYTHONHASHSEED``, scheduler budgets, speculative decoding, connector.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from traces import schema
+from traces.engine_spec import CONNECTOR_CONFIG_KEYS
+
+CONNECTORS = {"MooncakeStoreConnector": "mooncake_store"}
+
+
+def _group_kind(spec: Any) -> dict[str, Any] | None:
+    """``{kind, block_size, sliding_window?}`` of one KV-cache group; None for a
+    group holding only draft-model layers (the replayer adds those itself)."""
+    from vllm.v1.kv_cache_interface import (MambaSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
+
+    if getattr(spec, "is_draft", False):
+        return None
+    if isinstance(spec, MambaSpec):
+        return {"kind": "mamba", "block_size": int(spec.block_size)}
+    if isinstance(spec, SlidingWindowSpec):
+        return {"kind": "sliding_window", "block_size": int(spec.block_size),
+                "sliding_window": int(spec.sliding_window)}
+    if isinstance(spec, MLAAttentionSpec):
+        return {"kind": "mla", "block_size": int(spec.block_size)}
+    return {"kind": "full_attention", "block_size": int(spec.block_size)}
+
+
+def engine_block(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    cache = vllm_config.cache_config
+    sched = vllm_config.scheduler_config
+    groups = [g for g in (_group_kind(x.kv_cache_spec) for x in kv_cache_config.kv_cache_groups)
+              if g is not None]
+    engine: dict[str, Any] = {
+        "block_size": int(cache.block_size),
+        "kv_groups": groups,
+        "enable_prefix_caching": bool(cache.enable_prefix_caching),
+        "prefix_caching_hash_algo": str(cache.prefix_caching_hash_algo),
+        "hash_seed": os.environ.get("PYTHONHASHSEED"),
+        "max_num_batched_tokens": int(sched.max_num_batched_tokens),
+        "max_num_seqs": int(sched.max_num_seqs),
+        "max_model_len": int(vllm_config.model_config.max_model_len),
+        "num_gpu_blocks": int(kv_cache_config.num_blocks),
+        "enable_chunked_prefill": bool(sched.enable_chunked_prefill),
+        "async_scheduling": bool(sched.async_scheduling),
+    }
+    if getattr(cache, "prefix_match_unit", None):
+        engine["prefix_match_unit"] = int(cache.prefix_match_unit)
+    if getattr(sched, "long_prefill_token_threshold", 0):
+        engine["long_prefill_token_threshold"] = int(sched.long_prefill_token_threshold)
+    if any(g["kind"] == "mamba" for g in groups):
+        engine["mamba_cache_mode"] = str(cache.mamba_cache_mode)
+    if getattr(cache, "prefix_cache_retention_interval", None) is not None:
+        engine["prefix_cache_retention_interval"] = int(cache.prefix_cache_retention_interval)
+    if getattr(cache, "enable_mamba_shared_prefix_checkpoint", False):
+        engine["enable_mamba_shared_prefix_checkpoint"] = True
+    hf = getattr(vllm_config.model_config, "hf_text_config", None)
+    vocab = getattr(hf, "vocab_size", None)
+    if vocab:
+        engine["vocab_size"] = int(vocab)
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.num_speculative_tokens:
+        engine["speculative"] = {
+            "method": str(spec.method), "num_speculative_tokens": int(spec.num_speculative_tokens),
+            "disable_lookahead_block_hashes": bool(getattr(spec, "disable_lookahead_block_hashes",
+                                                           False))}
+    ktc = vllm_config.kv_transfer_config
+    if ktc is not None and ktc.kv_connector in CONNECTORS:
+        engine["connector"] = CONNECTORS[ktc.kv_connector]
+        extra = ktc.kv_connector_extra_config or {}
+        conf = {k: extra[k] for k in CONNECTOR_CONFIG_KEYS if k in extra}
+        if conf:
+            engine["connector_config"] = conf
+    return engine
+
+
+def _qualname(cls: Any) -> str:
+    if isinstance(cls, type):
+        return f"{cls.__module__}.{cls.__qualname__}"
+    return str(cls)
+
+
+def recorded_header(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    import vllm
+
+    source: dict[str, Any] = {"kind": "recorded", "vllm": vllm.__version__,
+                              "recorder": "prefix-replayer",
+                              "scheduler_cls": _qualname(vllm_config.scheduler_config.scheduler_cls)}
+    try:
+        from vllm import _version
+
+        source["vllm_commit"] = getattr(_version, "__commit_id__", None) or getattr(
+            _version, "commit_id", None)
+    except ImportError:
+        source["vllm_commit"] = None
+    ktc = vllm_config.kv_transfer_config
+    if ktc is not None:
+        source["kv_connector"] = ktc.kv_connector
+    return {"schema_version": schema.SCHEMA_VERSION, "engine": engine_block(vllm_config,
+                                                                           kv_cache_config),
+            "source": source}

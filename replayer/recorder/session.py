@@ -1,0 +1,103 @@
+"""Where a recording goes, and the per-process state shared by its hooks.
+
+One :class:`SchedulerSession` per scheduler process writes requests, steps,
+outcomes and events as rank 0, and the header; one :class:`StoreSession` per
+worker rank writes that rank's store_ops. When scheduler and worker share a
+process (uniproc executor, the CPU replay) the store recorder asks the
+scheduler session which token boundary and first request a key's block hash
+belongs to; otherwise those two columns stay null.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from traces import schema
+from traces.writer import PartWriter
+
+RECORD_ENV = "PREFIX_REPLAYER_RECORD_DIR"
+CONFIG_KEY = "recorder_dir"
+# Block hash -> (boundary, request) entries kept for the store's boundary
+# column; past this many, keys of new prefixes record a null boundary.
+MAX_BOUNDARIES = 1 << 20
+
+# Recorded requests hold their tokens; the imported/anonymised forms stay out.
+COLUMNS = {"requests": ("id", "arrival_step", "num_prompt_tokens", "prompt_tokens", "output_len",
+                        "output_tokens", "cache_salt", "lora_name", "arrival_order")}
+
+_LOCK = threading.Lock()
+_SCHEDULERS: dict[str, "SchedulerSession"] = {}
+
+
+def record_dir(vllm_config: Any = None) -> str | None:
+    """The output directory: the connector's extra config, else the environment."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+    return extra.get(CONFIG_KEY) or os.environ.get(RECORD_ENV) or None
+
+
+def write_header(out: Path, header: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".header.", dir=out)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(header, indent=2, sort_keys=True) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out / schema.HEADER_FILE)
+
+
+class SchedulerSession:
+    """The scheduler process's tables and step clock."""
+
+    def __init__(self, out: str, **writer_opts: Any) -> None:
+        self.out = Path(out)
+        self.writers = {name: PartWriter(self.out, schema.TABLES[name], 0,
+                                         columns=COLUMNS.get(name), **writer_opts)
+                        for name in ("requests", "steps", "outcomes", "events")}
+        self.step = 0
+        self.hash_block_size = 1
+        self.boundaries: dict[str, tuple[int, str]] | None = None   # on with a connector
+        with _LOCK:
+            _SCHEDULERS[str(self.out.resolve())] = self
+        atexit.register(self.close)
+        self._closed = False
+
+    def add_boundaries(self, request_id: str, block_hashes) -> None:
+        b = self.boundaries
+        if b is None or len(b) >= MAX_BOUNDARIES:
+            return
+        hbs = self.hash_block_size
+        for i, h in enumerate(block_hashes):
+            b.setdefault(bytes(h).hex(), ((i + 1) * hbs, request_id))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self.writers.values():
+            w.close()
+        with _LOCK:
+            _SCHEDULERS.pop(str(self.out.resolve()), None)
+
+
+def scheduler_session(out: str) -> SchedulerSession | None:
+    with _LOCK:
+        return _SCHEDULERS.get(str(Path(out).resolve()))
+
+
+class StoreSession:
+    """One worker rank's store_ops parts."""
+
+    def __init__(self, out: str, rank: int, **writer_opts: Any) -> None:
+        self.out = out
+        self.writer = PartWriter(out, schema.STORE_OPS, rank, **writer_opts)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        self.writer.close()

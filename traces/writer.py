@@ -1,0 +1,213 @@
+"""Crash-safe, bounded-memory writing of recorded tables, and reading them back.
+
+A recorder runs inside a serving engine for hours and may be killed (kill -9,
+OOM) at any moment. So rows are buffered in memory up to a bound, and each
+flush writes one complete Parquet file, a *part*, under a temporary name,
+fsyncs it and renames it into place: under its final name a part is always
+whole. A temporary part left behind by a kill is reported by the reader and
+skipped, never half-read.
+
+Layout: ``<trace>/<table>/part-r<rank>-<seq>.parquet``, one file set per
+process and rank (the scheduler process writes requests, steps, outcomes and
+events as rank 0; each worker rank writes its own store_ops parts). A flat
+``<table>.parquet`` (authored, imported and compiled traces) still reads as
+before; a table is one form or the other, never both.
+
+Flushes run on a background thread so the engine's step never waits on
+Parquet encoding or the disk; the hand-off queue holds at most
+``MAX_PENDING`` buffers, so memory stays bounded even on a slow disk (the
+engine then waits, rather than the recorder growing without limit).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from . import schema
+from .errors import TraceError
+
+PART_RE = re.compile(r"^part-r(\d+)-(\d+)\.parquet$")
+TMP_RE = re.compile(r"^\.part-r(\d+)-(\d+)\.parquet\.tmp$")
+MAX_PENDING = 2
+DEFAULT_MAX_ROWS = 65536
+DEFAULT_MAX_WEIGHT = 8_000_000     # list elements (tokens) buffered before a flush
+DEFAULT_MAX_SECONDS = 10.0
+
+
+def part_name(rank: int, seq: int) -> str:
+    return f"part-r{rank:03d}-{seq:06d}.parquet"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_part(folder: Path, table: pa.Table, rank: int, seq: int) -> Path:
+    """One complete part: temporary name, fsync, rename, fsync the folder."""
+    final = folder / part_name(rank, seq)
+    tmp = folder / f".{final.name}.tmp"
+    with open(tmp, "wb") as fh:
+        pq.write_table(table, fh, compression="zstd")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(folder)
+    return final
+
+
+class PartWriter:
+    """Buffered rows of one table, flushed as whole parts every N rows or T seconds.
+
+    ``append`` is all the engine's thread does per row (a list append and
+    two comparisons); encoding and disk writes happen on the writer thread.
+    ``weight`` lets a row count for its list lengths (a prompt's tokens), so
+    the buffer is bounded in elements, not only rows.
+    """
+
+    def __init__(self, trace_dir: str | os.PathLike, spec: schema.Table, rank: int = 0,
+                 max_rows: int = DEFAULT_MAX_ROWS, max_weight: int = DEFAULT_MAX_WEIGHT,
+                 max_seconds: float = DEFAULT_MAX_SECONDS,
+                 columns: tuple[str, ...] | None = None) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.folder = Path(trace_dir) / spec.name
+        self.folder.mkdir(parents=True, exist_ok=True)
+        mine = [p for p in self.folder.iterdir()
+                if (m := PART_RE.match(p.name) or TMP_RE.match(p.name)) and int(m.group(1)) == rank]
+        if mine:
+            raise TraceError(self.folder, f"already holds parts of rank {rank} "
+                                          "(record each run into a new directory)")
+        self.max_rows, self.max_weight, self.max_seconds = max_rows, max_weight, max_seconds
+        self.schema = spec.arrow_schema(set(columns) if columns else None)
+        self._rows: list[dict[str, Any]] = []
+        self._weight = 0
+        self._since = 0.0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=MAX_PENDING)
+        self._error: BaseException | None = None
+        self._closed = False
+        self.parts_written = 0
+        self.rows_written = 0
+        self._thread = threading.Thread(target=self._run, name=f"trace-writer-{spec.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- engine thread ---------------------------------------------------
+    def append(self, row: dict[str, Any], weight: int = 1) -> None:
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            if not self._rows:
+                self._since = time.monotonic()
+            self._rows.append(row)
+            self._weight += weight
+            full = len(self._rows) >= self.max_rows or self._weight >= self.max_weight
+        if full:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the buffer to the writer thread (blocks only when MAX_PENDING are queued)."""
+        with self._lock:
+            rows, self._rows, self._weight = self._rows, [], 0
+        if rows:
+            self._queue.put(rows)
+
+    def close(self) -> None:
+        """Flush what is buffered, wait for every part to be renamed into place."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    # -- writer thread ---------------------------------------------------
+    def _run(self) -> None:
+        tick = max(0.05, min(1.0, self.max_seconds / 4))
+        while True:
+            try:
+                rows = self._queue.get(timeout=tick)
+            except queue.Empty:
+                with self._lock:
+                    stale = self._rows and time.monotonic() - self._since >= self.max_seconds
+                if stale:
+                    self.flush()
+                continue
+            if rows is None:
+                return
+            try:
+                table = pa.Table.from_pylist(rows, schema=self.schema)
+                write_part(self.folder, table, self.rank, self._seq)
+                self._seq += 1
+                self.parts_written += 1
+                self.rows_written += len(rows)
+            except BaseException as exc:  # noqa: BLE001 - raised on the engine's next append
+                self._error = exc
+
+
+@dataclass
+class PartsRead:
+    table: pa.Table | None
+    parts: int
+    skipped: list[str]        # temporary (half-written) parts, by path
+
+
+def read_parts(folder: Path, spec: schema.Table, read_one) -> PartsRead:
+    """Every complete part of a table folder, in (rank, seq) order, as one table.
+
+    ``read_one(path, spec)`` reads and validates one file (so its errors name
+    the part). Temporary parts are listed in ``skipped``; anything else in
+    the folder is an error, so a stray file is never mistaken for data.
+    """
+    parts: list[tuple[int, int, Path]] = []
+    skipped: list[str] = []
+    for p in sorted(folder.iterdir()):
+        m = PART_RE.match(p.name)
+        if m:
+            parts.append((int(m.group(1)), int(m.group(2)), p))
+        elif TMP_RE.match(p.name):
+            skipped.append(str(p))
+        else:
+            raise TraceError(p, f"not a part of the {spec.name} table "
+                                "(expected part-r<rank>-<seq>.parquet)")
+    parts.sort()
+    tables = [read_one(p, spec) for _, _, p in parts]
+    if not tables:
+        return PartsRead(None, 0, skipped)
+    names = set().union(*(t.column_names for t in tables))
+    target = spec.arrow_schema(names)
+    merged = pa.concat_tables([_conform(t, target) for t in tables])
+    return PartsRead(merged, len(tables), skipped)
+
+
+def _conform(table: pa.Table, target: pa.Schema) -> pa.Table:
+    """Add missing optional columns as nulls and order columns as the schema does."""
+    cols = []
+    for f in target:
+        if f.name in table.column_names:
+            cols.append(table[f.name])
+        else:
+            cols.append(pa.nulls(table.num_rows, f.type))
+    return pa.Table.from_arrays(cols, schema=target)
