@@ -49,6 +49,8 @@ class ReplayResult:
     steps: int
     # Store operations and lookups when the trace has a connector (see store_json).
     store: dict[str, Any] | None = None
+    # vLLM's KV-cache groups in its own order (kind, EAGLE drop), when the adapter tells.
+    kv_groups: list[dict[str, Any]] | None = None
     # Settings of the trace this engine does not have, and how it replayed
     # without them (older releases); said on stderr, never part of the JSON.
     notes: list[str] = field(default_factory=list)
@@ -66,6 +68,8 @@ class ReplayResult:
     def as_dict(self) -> dict[str, Any]:
         out = {"engine": self.engine.as_dict(), "requests": self.requests,
                "summary": self.summary()}
+        if self.kv_groups is not None:
+            out["kv_groups"] = self.kv_groups
         if self.store is not None:
             out["store"] = store_json(self.store)
         return out
@@ -244,6 +248,8 @@ def replay(trace: Trace, engine_spec: Any = "installed",
                              num_local_cached_tokens=p.num_local_cached_tokens,
                              num_external_cached_tokens=p.num_external_cached_tokens,
                              prefill_step=clock - 1)
+                    if p.group_hits is not None:
+                        r["group_hits"] = list(p.group_hits)
             for rid in res.finished:
                 i = index[rid]
                 r = results[i]
@@ -259,6 +265,7 @@ def replay(trace: Trace, engine_spec: Any = "installed",
             if progress is not None:
                 progress(Progress(done, n, steps_run, prompt_done, cached_done))
         report = getattr(engine, "store_report", lambda: None)()
+        kv_groups = getattr(engine, "kv_groups", lambda: None)()
     finally:
         vllm_s = engine.vllm_seconds()
         if owns_engine:
@@ -270,6 +277,7 @@ def replay(trace: Trace, engine_spec: Any = "installed",
                           "never completes?)")
     out = [results[i] for i in order]
     return ReplayResult(engine=engine.info, requests=out, steps=steps_run, store=report,
+                        kv_groups=kv_groups,
                         notes=list(getattr(engine, "notes", ())), timings={
         "startup_s": t_ready - t_start, "loop_s": t_end - t_ready, "wall_s": t_end - t_start,
         "vllm_s": vllm_s})

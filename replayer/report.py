@@ -84,7 +84,30 @@ def check_report(target: str, engine_key: str, golden_key: str, mismatches: list
                 if isinstance(m.expected, int) and isinstance(m.actual, int) else "")
         out.append(f"  {m.request:<16} {m.field:<28} {_fmt(m.expected):>10} "
                    f"{_fmt(m.actual):>10}  {note}")
+    for rid in dict.fromkeys(m.request for m in mismatches):
+        why = explain_groups(by_id.get(rid), result.kv_groups)
+        if why:
+            out.append(f"  why {rid}: {why}")
     return "\n".join(out)
+
+
+def explain_groups(request: dict[str, Any] | None,
+                   kv_groups: list[dict[str, Any]] | None) -> str:
+    """Which KV-cache group stopped the hit, from what each could serve alone."""
+    if not request or not kv_groups or not request.get("group_hits"):
+        return ""
+    hits = request["group_hits"]
+    parts = []
+    for g, h in zip(kv_groups, hits):
+        drop = ", EAGLE drop applied" if g.get("eagle_drop") else ""
+        parts.append(f"group {g['group']} ({g['kind']}{drop}) alone could hit {h}")
+    low = min(hits)
+    limiting = [g for g, h in zip(kv_groups, hits) if h == low]
+    text = "; ".join(parts)
+    if len(set(hits)) > 1:
+        names = ", ".join(f"group {g['group']} ({g['kind']})" for g in limiting)
+        text += f"; the hit stopped at {low}, where {names} stopped"
+    return text
 
 
 def dumps(result: ReplayResult) -> str:

@@ -216,3 +216,21 @@ def test_engine_that_cannot_hold_one_request_is_bad_input(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("replayer: error: vLLM 0.33.0 cannot build")
+
+
+def test_group_hits_explain_which_group_stopped_the_hit(replay):
+    """Sparse Mamba retention: attention alone could serve the shared system
+    prompt, Mamba has no state there, so the hybrid hit is Mamba's."""
+    from replayer.report import explain_groups
+
+    result = replay(load_target(SCENARIOS / "shared_system_prompt_hybrid.yaml"))
+    assert result.kv_groups == [
+        {"group": 0, "kind": "full_attention", "eagle_drop": True},
+        {"group": 1, "kind": "mamba", "eagle_drop": False}]
+    r = by_id(result)
+    assert r["user_b"]["group_hits"] == [4480, 0] and r["user_b"]["num_cached_tokens"] == 0
+    assert r["user_c"]["group_hits"] == [4480, 3072]
+    assert r["user_c"]["num_cached_tokens"] == min(r["user_c"]["group_hits"])
+    why = explain_groups(r["user_c"], result.kv_groups)
+    assert why.endswith("the hit stopped at 3072, where group 1 (mamba) stopped")
+    assert "group 0 (full_attention, EAGLE drop applied) alone could hit 4480" in why

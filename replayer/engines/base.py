@@ -33,6 +33,8 @@ class PrefillOutcome:
     num_cached_tokens: int
     num_local_cached_tokens: int
     num_external_cached_tokens: int
+    # What each KV-cache group alone could have served (adapters that can tell).
+    group_hits: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -290,6 +290,9 @@ class Vllm033Engine:
         self._hash_block_size = self.scheduler.kv_cache_config.hash_block_size or 1
         if self.session is not None:
             self.session.attach_scheduler(self.scheduler)
+        from .explain_0_33 import GroupHits
+
+        self.group_hits = GroupHits(self.scheduler)
         self._schedule = _Timed(self.scheduler.schedule)
         self._update = _Timed(self.scheduler.update_from_output)
         self.scheduler.schedule = self._schedule  # type: ignore[method-assign]
@@ -377,7 +380,8 @@ class Vllm033Engine:
                         id=out.request_id, num_prompt_tokens=stats.num_prompt_tokens,
                         num_cached_tokens=stats.num_cached_tokens,
                         num_local_cached_tokens=stats.num_local_cached_tokens,
-                        num_external_cached_tokens=stats.num_external_cached_tokens))
+                        num_external_cached_tokens=stats.num_external_cached_tokens,
+                        group_hits=self.group_hits.take(out.request_id)))
                 if out.finish_reason is not None:
                     result.finished.append(out.request_id)
                     self._outputs.pop(out.request_id, None)
@@ -393,6 +397,10 @@ class Vllm033Engine:
     def reset_prefix_cache(self) -> bool:
         # The GPU-side cache only: the store keeps its keys, as in production.
         return self.core.reset_prefix_cache(reset_running_requests=False, reset_connector=False)
+
+    def kv_groups(self) -> list[dict[str, Any]]:
+        """vLLM's KV-cache groups, in its order: kind and whether the EAGLE drop applies."""
+        return self.group_hits.describe()
 
     def store_report(self) -> dict[str, Any] | None:
         """Store operations recorded so far (None without a connector)."""

@@ -1,0 +1,63 @@
+"""Why a request hit what it hit: each KV-cache group's own longest hit (vLLM 0.33).
+
+A hybrid model's prefix hit is what every group agrees on; a miss is the group
+that stopped first. For the first lookup of each request this asks vLLM's own
+``find_longest_cache_hit_per_group`` (a read-only lookup vLLM itself uses for
+connectors) what each group alone could serve, with the EAGLE drop applied as
+vLLM applies it, and keeps the answer beside the request's outcome.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
+
+
+def group_kind(spec: Any) -> str:
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window"
+    if isinstance(spec, MLAAttentionSpec):
+        return "mla"
+    if isinstance(spec, FullAttentionSpec):
+        return "full_attention"
+    return type(spec).__name__
+
+
+class GroupHits:
+    """Installs itself around the KV-cache manager's lookup; reads nothing else."""
+
+    def __init__(self, scheduler: Any) -> None:
+        manager = scheduler.kv_cache_manager
+        self.coordinator = manager.coordinator
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        self.kinds = [group_kind(g.kv_cache_spec) for g in groups]
+        self.eagle = [bool(g.is_eagle_group) for g in groups]
+        self.hits: dict[str, list[int]] = {}
+        original = manager.get_computed_blocks
+
+        def get_computed_blocks(request, *args, **kwargs):
+            out = original(request, *args, **kwargs)
+            # The last lookup before the request is scheduled is the one that counts.
+            self.hits[request.request_id] = self._per_group(request, out[1])
+            return out
+
+        manager.get_computed_blocks = get_computed_blocks
+
+    def _per_group(self, request, combined: int) -> list[int]:
+        per_group = getattr(self.coordinator, "find_longest_cache_hit_per_group", None)
+        if per_group is None or len(self.kinds) == 1:
+            return [combined] * len(self.kinds)
+        _, hits = per_group(request.block_hashes, request.num_tokens - 1)
+        return [int(h) for h in hits]
+
+    def take(self, request_id: str) -> tuple[int, ...] | None:
+        hits = self.hits.pop(request_id, None)
+        return tuple(hits) if hits is not None else None
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"group": i, "kind": k, "eagle_drop": e}
+                for i, (k, e) in enumerate(zip(self.kinds, self.eagle))]
