@@ -42,6 +42,11 @@ MAX_PENDING = 2
 DEFAULT_MAX_ROWS = 65536
 DEFAULT_MAX_WEIGHT = 8_000_000     # list elements (tokens) buffered before a flush
 DEFAULT_MAX_SECONDS = 10.0
+# A recorder writes requests with their tokens; the imported and anonymised
+# forms (after, arrival_ms, prompt_block_ids) stay out of recorded parts.
+RECORDED_COLUMNS = {"requests": ("id", "arrival_step", "num_prompt_tokens", "prompt_tokens",
+                                 "output_len", "output_tokens", "cache_salt", "lora_name",
+                                 "arrival_order")}
 
 
 def part_name(rank: int, seq: int) -> str:
@@ -97,6 +102,7 @@ class PartWriter:
             raise TraceError(self.folder, f"already holds parts of rank {rank} "
                                           "(record each run into a new directory)")
         self.max_rows, self.max_weight, self.max_seconds = max_rows, max_weight, max_seconds
+        columns = columns or RECORDED_COLUMNS.get(spec.name)
         self.schema = spec.arrow_schema(set(columns) if columns else None)
         self._rows: list[dict[str, Any]] = []
         self._weight = 0

@@ -27,10 +27,6 @@ CONFIG_KEY = "recorder_dir"
 # column; past this many, keys of new prefixes record a null boundary.
 MAX_BOUNDARIES = 1 << 20
 
-# Recorded requests hold their tokens; the imported/anonymised forms stay out.
-COLUMNS = {"requests": ("id", "arrival_step", "num_prompt_tokens", "prompt_tokens", "output_len",
-                        "output_tokens", "cache_salt", "lora_name", "arrival_order")}
-
 _LOCK = threading.Lock()
 _SCHEDULERS: dict[str, "SchedulerSession"] = {}
 
@@ -57,8 +53,7 @@ class SchedulerSession:
 
     def __init__(self, out: str, **writer_opts: Any) -> None:
         self.out = Path(out)
-        self.writers = {name: PartWriter(self.out, schema.TABLES[name], 0,
-                                         columns=COLUMNS.get(name), **writer_opts)
+        self.writers = {name: PartWriter(self.out, schema.TABLES[name], 0, **writer_opts)
                         for name in ("requests", "steps", "outcomes", "events")}
         self.step = 0
         self.hash_block_size = 1

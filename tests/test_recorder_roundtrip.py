@@ -1,0 +1,170 @@
+"""Recording vLLM's real EngineCore (driven by the null model) and replaying the recording.
+
+Every bundled fixture, with and without the MooncakeStore connector: the
+recording's outcomes equal the original replay's, and a replay of the
+recording reproduces its outcomes, schedule and store keys. Then the
+anonymised recording, held-back drafts, and the CLI's --against recorded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from traces import load_target
+from traces.trace import Trace, read_trace, write_trace
+
+from helpers_traces import REPO, cli
+
+FIXTURES = sorted((REPO / "fixtures" / "scenarios").glob("*.yaml")) + sorted(
+    (REPO / "fixtures" / "store").glob("*.yaml")) + sorted(
+    p for p in (REPO / "fixtures" / "traces").iterdir() if p.is_dir())
+FIELDS = ("num_prompt_tokens", "num_cached_tokens", "num_local_cached_tokens",
+          "num_external_cached_tokens")
+
+
+@pytest.fixture(scope="module")
+def recorder():
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from replayer import fidelity
+    from replayer.store import StoreSpec
+
+    def store_for(trace):
+        return StoreSpec("memory") if trace.engine.get("connector") else None
+
+    return fidelity, store_for
+
+
+@pytest.fixture(scope="module")
+def recordings(recorder, tmp_path_factory):
+    """fixture name -> (original replay result, recorded trace dir)."""
+    fidelity, store_for = recorder
+    root = tmp_path_factory.mktemp("recordings")
+    out = {}
+    for path in FIXTURES:
+        trace = load_target(path)
+        rec = root / path.stem
+        result = fidelity.record_replay(trace, rec, store=store_for(trace))
+        out[path.stem] = (result, rec)
+    return out
+
+
+@pytest.mark.parametrize("name", [p.stem for p in FIXTURES])
+def test_recording_holds_what_the_engine_reported(recordings, name):
+    result, rec = recordings[name]
+    trace = read_trace(rec)
+    assert trace.header["source"]["kind"] == "recorded"
+    assert trace.skipped_parts == []
+    original = {r["id"]: r for r in result.requests}
+    recorded = {r["id"]: r for r in trace.outcomes.to_pylist()}
+    prefilled = {k for k, r in original.items() if r["num_cached_tokens"] is not None}
+    assert set(recorded) == prefilled
+    for rid in prefilled:
+        assert tuple(recorded[rid][f] for f in FIELDS) == tuple(original[rid][f] for f in FIELDS)
+    # Requests in arrival order, with what the engine received.
+    assert trace.requests["id"].to_pylist() == [r["id"] for r in result.requests]
+    assert trace.requests["num_prompt_tokens"].to_pylist() == [
+        r["num_prompt_tokens"] for r in result.requests]
+    steps = trace.steps["step"].to_pylist()
+    assert steps == sorted(steps) and set(steps) <= set(range(result.steps))
+    if trace.engine.get("connector"):
+        puts = [r for r in trace.store_ops.to_pylist() if r["op"] == "put" and r["result"] >= 0]
+        assert sorted(r["key"] for r in puts) == sorted(
+            r["key"] for r in result.store["rows"] if r["op"] == "put" and r["result"] >= 0)
+        assert puts
+        assert all(r["boundary"] is not None for r in puts)
+    else:
+        assert trace.store_ops is None
+
+
+@pytest.mark.parametrize("name", [p.stem for p in FIXTURES])
+def test_replay_of_the_recording_matches_it(recorder, recordings, name):
+    fidelity, store_for = recorder
+    trace = read_trace(recordings[name][1])
+    lines, ok, _ = fidelity.check_against_recorded(trace, store=store_for(trace))
+    assert ok, "\n".join(lines)
+
+
+def test_anonymized_recording_replays_to_the_same_outcomes(recorder, recordings, tmp_path):
+    from replayer.anonymize import anonymize
+
+    fidelity, store_for = recorder
+    for name in ("vllm51295_turn1_24577", "resend_after_reset", "conversation_500"):
+        trace = read_trace(recordings[name][1])
+        anon_dir = write_trace(anonymize(trace, secret=b"k"), tmp_path / name)
+        anon = read_trace(anon_dir)
+        assert "prompt_tokens" not in anon.requests.column_names
+        assert anon.header["prompt_blocks"]["block_tokens"] >= 16
+        # No original token list survives (token 0 padding aside).
+        assert anon.requests["output_tokens"].to_pylist() != trace.requests[
+            "output_tokens"].to_pylist()
+        lines, ok, _ = fidelity.check_against_recorded(anon, store=store_for(anon))
+        assert ok, f"{name}: " + "\n".join(lines)
+
+
+def test_replay_honours_recorded_rejected_drafts(recorder, recordings, tmp_path):
+    """A recording where every draft was rejected replays with every draft rejected."""
+    fidelity, store_for = recorder
+    scenario = tmp_path / "decode.yaml"
+    scenario.write_text(DECODING)
+    fidelity.record_replay(load_target(scenario), tmp_path / "rec")
+    trace = read_trace(tmp_path / "rec")
+    steps = trace.steps
+    acc = steps["num_accepted_tokens"]
+    assert pc.max(acc).as_py() >= 1                      # the null model accepts drafts
+    zeroed = pa.array([None if a is None else 0 for a in acc.to_pylist()], pa.int64())
+    steps = steps.set_column(steps.column_names.index("num_accepted_tokens"),
+                             steps.schema.field("num_accepted_tokens"), zeroed)
+    held = Trace(header=trace.header, requests=trace.requests, events=trace.events,
+                 steps=steps)
+    fresh_dir = tmp_path / "held"
+    fidelity.record_replay(held, fresh_dir)
+    fresh = read_trace(fresh_dir)
+    held_at = {(r["step"], r["id"]) for r in trace.steps.to_pylist()
+               if r["num_accepted_tokens"] is not None}
+    got = [r["num_accepted_tokens"] for r in fresh.steps.to_pylist()
+           if (r["step"], r["id"]) in held_at and r["num_accepted_tokens"] is not None]
+    assert len(got) > 5 and set(got) == {0}
+    # One token a step instead of three: the schedule is longer.
+    assert fresh.steps["step"][-1].as_py() > trace.steps["step"][-1].as_py()
+
+
+DECODING = """\
+engine:
+  block_size: 16
+  speculative: {method: eagle, num_speculative_tokens: 2}
+requests:
+  - {id: a, prompt: [{stream: doc, len: 100}], output_len: 30}
+  - {id: b, arrival_step: 3, prompt: [{stream: doc, len: 120}], output_len: 30}
+"""
+
+
+def test_cli_check_against_recorded_passes_then_fails_on_a_changed_outcome(recordings, tmp_path):
+    rec = tmp_path / "rec"
+    shutil.copytree(recordings["vllm51295_turn1_24577"][1], rec)
+    proc = cli("check", "--against", "recorded", rec, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"PASS {rec}: replay matches the recording: 2 outcome(s)")
+    part = next((rec / "outcomes").glob("part-*.parquet"))
+    table = read_trace(rec).outcomes
+    cached = [c + 128 if rid == "turn2" else c for rid, c in
+              zip(table["id"].to_pylist(), table["num_cached_tokens"].to_pylist())]
+    table = table.set_column(2, table.schema.field("num_cached_tokens"), pa.array(cached, pa.int64()))
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, part)
+    proc = cli("check", "--against", "recorded", rec, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "outcome of turn2: num_cached_tokens recorded 24576, replayed 24448" in proc.stdout
+
+
+def test_against_recorded_needs_outcomes(tmp_path):
+    proc = cli("check", "--against", "recorded", REPO / "fixtures" / "scenarios" /
+               "reset_prefix_cache.yaml")
+    assert proc.returncode == 2
+    assert "has no outcomes table" in proc.stderr and len(proc.stderr.splitlines()) == 1

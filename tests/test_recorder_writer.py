@@ -1,0 +1,132 @@
+"""The crash-safe part writer and the part-aware reader (no vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from traces import schema
+from traces.errors import TraceError
+from traces.trace import read_trace
+from traces.writer import PartWriter, part_name
+
+from helpers_traces import REPO, cli
+
+HEADER = {"schema_version": 1, "engine": {"block_size": 16},
+          "source": {"kind": "recorded"}}
+
+
+def _request(i: int, order: int) -> dict:
+    return {"id": f"r{i}", "arrival_step": i // 3, "num_prompt_tokens": 4,
+            "prompt_tokens": [i % 100, 1, 2, 3], "output_len": 1, "output_tokens": [7],
+            "arrival_order": order}
+
+
+def _trace_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "rec"
+    out.mkdir()
+    (out / "header.json").write_text(json.dumps(HEADER))
+    return out
+
+
+def test_parts_merge_in_order_and_requests_sort_by_arrival(tmp_path):
+    out = _trace_dir(tmp_path)
+    w = PartWriter(out, schema.REQUESTS, max_rows=4)
+    # Written as they finish (reverse), read in arrival order.
+    for i in reversed(range(10)):
+        w.append(_request(i, order=i))
+    w.close()
+    assert w.parts_written == 3
+    assert sorted(p.name for p in (out / "requests").iterdir()) == [
+        part_name(0, 0), part_name(0, 1), part_name(0, 2)]
+    trace = read_trace(out)
+    assert trace.requests["id"].to_pylist() == [f"r{i}" for i in range(10)]
+    assert trace.skipped_parts == []
+
+
+def test_time_based_flush_writes_a_part_without_more_rows(tmp_path):
+    out = _trace_dir(tmp_path)
+    w = PartWriter(out, schema.STEPS, max_rows=1000, max_seconds=0.2)
+    w.append({"step": 0, "id": "a", "num_scheduled_tokens": 5, "num_accepted_tokens": None})
+    deadline = time.monotonic() + 5
+    while not list((out / "steps").glob("part-*.parquet")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pq.read_table(out / "steps" / part_name(0, 0)).num_rows == 1
+    w.close()
+
+
+def test_a_second_run_into_the_same_directory_is_refused(tmp_path):
+    out = _trace_dir(tmp_path)
+    w = PartWriter(out, schema.STEPS)
+    w.append({"step": 0, "id": "a", "num_scheduled_tokens": 5, "num_accepted_tokens": None})
+    w.close()
+    with pytest.raises(TraceError, match="already holds parts of rank 0"):
+        PartWriter(out, schema.STEPS)
+    PartWriter(out, schema.STEPS, rank=1).close()          # another rank is fine
+
+
+WRITER_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from traces import schema
+    from traces.writer import PartWriter
+    w = PartWriter({out!r}, schema.REQUESTS, max_rows=50)
+    i = 0
+    while True:
+        w.append({{"id": f"r{{i}}", "arrival_step": i, "num_prompt_tokens": 3,
+                   "prompt_tokens": [1, 2, 3], "output_len": 1, "output_tokens": [4],
+                   "arrival_order": i}})
+        i += 1
+        if i % 50 == 0:
+            time.sleep(0.002)
+""")
+
+
+def test_kill_9_leaves_only_whole_parts_and_a_half_written_one_is_skipped(tmp_path):
+    out = _trace_dir(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-c",
+                             WRITER_SCRIPT.format(repo=str(REPO), out=str(out))])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list((out / "requests").glob("part-*.parquet"))) < 5:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # What a kill during a write leaves: a temporary part, cut short.
+    whole = sorted((out / "requests").glob("part-*.parquet"))[0].read_bytes()
+    half = out / "requests" / f".{part_name(0, 999999)}.tmp"
+    half.write_bytes(whole[: len(whole) // 2])
+    trace = read_trace(out)
+    n = trace.requests.num_rows
+    assert n >= 250 and n % 50 == 0                      # whole parts only
+    assert trace.requests["id"].to_pylist() == [f"r{i}" for i in range(n)]   # no gap
+    assert str(half) in trace.skipped_parts
+    proc = cli("info", out)
+    assert proc.returncode == 0, proc.stderr
+    assert f"skipped half-written part: {half}" in proc.stdout
+    assert f"requests: {n} rows" in proc.stdout
+
+
+def test_stray_file_and_both_forms_are_errors(tmp_path):
+    out = _trace_dir(tmp_path)
+    w = PartWriter(out, schema.REQUESTS)
+    w.append(_request(0, 0))
+    w.close()
+    (out / "requests" / "notes.txt").write_text("x")
+    with pytest.raises(TraceError, match="not a part of the requests table"):
+        read_trace(out)
+    (out / "requests" / "notes.txt").unlink()
+    pq.write_table(pq.read_table(out / "requests" / part_name(0, 0)), out / "requests.parquet")
+    with pytest.raises(TraceError, match="a table is one or the other"):
+        read_trace(out)
