@@ -113,7 +113,7 @@ class EngineProcess:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "replayer.engine_process", str(write_fd)],
-                stdin=subprocess.PIPE, stdout=_stderr_fd(), env=env, cwd=os.getcwd(),
+                stdin=subprocess.PIPE, stdout=_stderr_fd(), env=env,
                 pass_fds=(write_fd,))
         finally:
             os.close(write_fd)

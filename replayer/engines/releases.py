@@ -78,7 +78,15 @@ def release_sources(version: str) -> Path:
     final = root / f"vllm-{version}"
     if (final / "vllm" / "__init__.py").exists():
         return final / "vllm"
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return _fetch(version, root, final)
+    except OSError as exc:
+        raise EngineError(f"engine vllm=={version}: cannot use the cache directory {root} "
+                          f"({exc.strerror or exc}); set {CACHE_ENV} to a writable one") from None
+
+
+def _fetch(version: str, root: Path, final: Path) -> Path:
     with _locked(root / f".vllm-{version}.lock"):
         if (final / "vllm" / "__init__.py").exists():    # fetched while we waited
             return final / "vllm"
