@@ -79,6 +79,15 @@ def test_tree_of_an_unsupported_release(tmp_path):
                      "no adapter for vLLM 0.20.1", "0.29.x-0.32.x, 0.33.x")
 
 
+def test_release_with_an_unusable_cache(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert_bad_input(cli("run", FIXTURE, "--engine", "vllm==0.29.0",
+                         env={"PREFIX_REPLAYER_CACHE": str(blocker)}),
+                     f"cannot use the cache directory {blocker}/releases",
+                     "set PREFIX_REPLAYER_CACHE to a writable one")
+
+
 def test_diff_needs_exactly_two_engines():
     assert_bad_input(cli("diff", FIXTURE, "--engine", "installed"),
                      "diff takes exactly two --engine options (A, then B), got 1")
