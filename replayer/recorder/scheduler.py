@@ -73,18 +73,22 @@ class SchedulerRecorder:
                 step = pstep
                 del self._pending[: i + 1]
                 break
-        if step is not None:
+        if step is not None and so.num_scheduled_tokens:
+            ids = list(so.num_scheduled_tokens)
             spec = so.scheduled_spec_decode_tokens
-            index = mro.req_id_to_index
-            sampled = mro.sampled_token_ids
-            for rid, n in so.num_scheduled_tokens.items():
-                acc = None
-                if spec and rid in spec and spec[rid]:
-                    j = index.get(rid)
-                    got = sampled[j] if j is not None and j < len(sampled) else None
-                    acc = max(len(got) - 1, 0) if got else None
-                self._steps.append({"step": step, "id": rid, "num_scheduled_tokens": int(n),
-                                    "num_accepted_tokens": acc})
+            acc = None
+            if spec:
+                index = mro.req_id_to_index
+                sampled = mro.sampled_token_ids
+                acc = [None] * len(ids)
+                for k, rid in enumerate(ids):
+                    if spec.get(rid):
+                        j = index.get(rid)
+                        got = sampled[j] if j is not None and j < len(sampled) else None
+                        acc[k] = max(len(got) - 1, 0) if got else None
+            self._steps.extend({"step": [step] * len(ids), "id": ids,
+                                "num_scheduled_tokens": list(so.num_scheduled_tokens.values()),
+                                "num_accepted_tokens": acc}, len(ids))
         for eco in outputs.values():
             for out in eco.outputs:
                 stats = out.prefill_stats

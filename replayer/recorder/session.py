@@ -25,7 +25,7 @@ RECORD_ENV = "PREFIX_REPLAYER_RECORD_DIR"
 CONFIG_KEY = "recorder_dir"
 # Block hash -> (boundary, request) entries kept for the store's boundary
 # column; past this many, keys of new prefixes record a null boundary.
-MAX_BOUNDARIES = 1 << 20
+MAX_BOUNDARIES = 1 << 18
 
 _LOCK = threading.Lock()
 _SCHEDULERS: dict[str, "SchedulerSession"] = {}

@@ -1,0 +1,193 @@
+"""Benchmark: what recording costs, on the first 1,000 conversation requests.
+
+Replays the Mooncake conversation slice (full attention, block 16) through
+vLLM's EngineCore twice per round, in fresh processes: plain, and with the
+recorder installed (the same scheduler subclass ``vllm serve`` loads). It
+prints the seconds spent inside ``EngineCore.step`` (schedule, the null
+model, update_from_output: the engine core's step time), the added time in
+percent, peak RSS of each, the recorded trace's size on disk per request and
+per store operation (from a MooncakeStore fixture), and whether the
+recording replays to the same outcomes, schedule and keys (the 1,000-request
+round trip).
+
+    python benchmarks/record_overhead.py [--requests 1000] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+STORE_FIXTURE = ROOT / "fixtures" / "store" / "resend_after_reset.yaml"
+ENGINE = {"block_size": 16, "kv_groups": [{"kind": "full_attention"}],
+          "max_num_batched_tokens": 8192, "max_num_seqs": 256,
+          "num_gpu_blocks": 2 * 1024 * 1024 // 16}
+
+
+def _setup() -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_LOGS", "-torch")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(ROOT))
+    import logging
+
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
+    _setup()
+    from traces import load_target
+    from replayer.determinism import engine_hash_seed
+    from replayer.engines import EngineInfo, installed_vllm_version
+    from replayer.engines.vllm_0_33 import Vllm033Engine
+    from replayer.replay import replay, resolved_engine
+    from replayer.store import StoreSpec
+
+    from replayer.recorder import scheduler as rec_sched
+    from replayer.recorder import session as rec_session
+
+    hook_s = [0.0]
+    for name in ("added", "scheduled", "updated", "finished", "aborted", "reset"):
+        fn = getattr(rec_sched.SchedulerRecorder, name)
+
+        def timed(*a, _fn=fn, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                hook_s[0] += time.perf_counter() - t
+
+        setattr(rec_sched.SchedulerRecorder, name, timed)
+    writers = []
+    opened = rec_session.SchedulerSession.__init__
+
+    def keep(self, *a, **k):
+        opened(self, *a, **k)
+        writers.extend(self.writers.values())
+
+    rec_session.SchedulerSession.__init__ = keep
+    trace = load_target(trace_dir)
+    engine, max_len, _ = resolved_engine(trace)
+    store = StoreSpec("memory") if engine.get("connector") else None
+    with engine_hash_seed(engine):
+        adapter = Vllm033Engine(engine, max_len, installed_vllm_version(), store=store,
+                                record_dir=out_dir if mode == "record" else None)
+    adapter.info = EngineInfo(vllm=installed_vllm_version())
+    step = adapter.step
+    spent = [0.0]
+
+    def timed_step():
+        t = time.perf_counter()
+        try:
+            return step()
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    adapter.step = timed_step
+    t0 = time.perf_counter()
+    result = replay(trace, engine=adapter)
+    t_close = time.perf_counter()
+    adapter.close()                    # the recorder's last flush happens here
+    close_s = time.perf_counter() - t_close
+    return {"step_s": spent[0], "loop_s": t_close - t0, "close_s": close_s,
+            "hook_s": hook_s[0], "writer_cpu_s": sum(w.cpu_seconds for w in writers),
+            "steps": result.steps,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _run(mode: str, trace_dir: Path, out_dir: Path | None) -> dict:
+    cmd = [sys.executable, __file__, "--child", mode, str(trace_dir)]
+    if out_dir is not None:
+        cmd.append(str(out_dir))
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        sys.exit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _fidelity(trace_dir: Path) -> str:
+    code = ("import sys; sys.path.insert(0, %r); import os, logging; "
+            "os.environ.setdefault('VLLM_LOGGING_LEVEL','ERROR'); "
+            "logging.getLogger('vllm').setLevel(logging.ERROR); "
+            "from traces.trace import read_trace; from replayer.fidelity import check_against_recorded; "
+            "from replayer.store import StoreSpec; t = read_trace(%r); "
+            "s = StoreSpec('memory') if t.engine.get('connector') else None; "
+            "lines, ok, _ = check_against_recorded(t, store=s); print(lines[0])") % (str(ROOT), str(trace_dir))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONHASHSEED": "0"})
+    return (proc.stdout.strip().splitlines() or [proc.stderr.strip()[-500:]])[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--child", nargs="+")
+    args = ap.parse_args()
+    if args.child:
+        mode, trace_dir, *out = args.child
+        print(json.dumps(_child(mode, trace_dir, out[0] if out else None)))
+        return
+    _setup()
+    from traces.importers.mooncake import import_mooncake
+    from traces.scenario import compile_scenario
+    from traces.trace import write_trace
+
+    tmp = Path(tempfile.mkdtemp(prefix="record-overhead-"))
+    src = write_trace(import_mooncake(SOURCE, limit=args.requests, engine=ENGINE), tmp / "conv")
+    plain, rec = [], []
+    for r in range(args.rounds):                 # alternate, so drift hits both alike
+        plain.append(_run("plain", src, None))
+        out = tmp / f"rec{r}"
+        rec.append(_run("record", src, out))
+    best_p = min(plain, key=lambda x: x["step_s"])
+    best_r = min(rec, key=lambda x: x["step_s"])
+    added = 100 * (best_r["step_s"] - best_p["step_s"]) / best_p["step_s"]
+    hook = min(r["hook_s"] for r in rec)
+    writer_cpu = min(r["writer_cpu_s"] for r in rec)
+    out = tmp / "rec0"
+    size = _du(out)
+    print(f"conversation slice: {args.requests} requests, {best_p['steps']} engine steps, "
+          f"best of {args.rounds} rounds each")
+    print(f"  EngineCore.step time  plain {best_p['step_s']:.2f} s   recording "
+          f"{best_r['step_s']:.2f} s   added {added:+.2f}%")
+    print(f"  per step              plain {1e3 * best_p['step_s'] / best_p['steps']:.3f} ms  "
+          f"recording {1e3 * best_r['step_s'] / best_r['steps']:.3f} ms")
+    print(f"  recorder hooks        {hook:.3f} s on the engine thread = "
+          f"{100 * hook / best_p['step_s']:.2f}% of plain step time (the A/B figure above "
+          f"swings with machine noise; this one does not)")
+    print(f"  writer thread CPU     {writer_cpu:.3f} s = {100 * writer_cpu / best_p['step_s']:.2f}% "
+          f"(off the engine thread: encoding and fsync)")
+    print(f"  final flush at close  {best_r['close_s']:.2f} s (plain {best_p['close_s']:.2f} s)")
+    print(f"  peak RSS              plain {best_p['rss_mb']:.0f} MB   recording "
+          f"{best_r['rss_mb']:.0f} MB")
+    print(f"  trace on disk         {size / 1e6:.2f} MB = {size / args.requests / 1e3:.1f} kB "
+          f"per request (tokens included)")
+    print(f"  round trip            {_fidelity(out)}")
+    store_trace = write_trace(compile_scenario(STORE_FIXTURE), tmp / "store")
+    _run("record", store_trace, tmp / "store_rec")
+    ops_dir = tmp / "store_rec" / "store_ops"
+    from traces.trace import read_trace
+
+    n_ops = read_trace(tmp / "store_rec").store_ops.num_rows
+    print(f"  store ops             {n_ops} ops in {_du(ops_dir)} bytes = "
+          f"{_du(ops_dir) / n_ops:.1f} bytes per op ({STORE_FIXTURE.name})")
+    print(f"  store round trip      {_fidelity(tmp / 'store_rec')}")
+
+
+if __name__ == "__main__":
+    main()
