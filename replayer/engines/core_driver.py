@@ -12,9 +12,10 @@ fields, KV-cache spec constructors, what a release lacks) stays in the
 adapter of each release range, which builds the config and the layer specs
 and hands them to :class:`CoreEngine`.
 
-The 0.33 adapter (:mod:`.vllm_0_33`) still carries its own copy of this
-driver, woven with the MooncakeStore connector's hooks; it can move onto this
-one once connector replay runs on more than one release.
+An adapter that adds to a step (the 0.33 adapter's MooncakeStore connector,
+its per-group hit explanation) overrides the small hooks of
+:class:`CoreEngine` (``_kv_output``, ``_on_preprocessed``, ``_before_step``,
+``_after_step``, ``_group_hits``) rather than copying the driver.
 
 The one seam is the model: :class:`NullExecutor` stands where the GPU workers
 would, reports the KV-cache layer specs the adapter built, and answers each
@@ -189,14 +190,18 @@ class CoreEngine:
     backend; ``layer_specs`` are the release's own KV-cache spec objects.
     """
 
-    def __init__(self, config: Any, layer_specs: dict[str, Any], version: str) -> None:
+    def __init__(self, config: Any, layer_specs: dict[str, Any], version: str,
+                 executor_cls: type[NullExecutor] = NullExecutor) -> None:
         self.info = EngineInfo(vllm=version)
         self.notes: list[str] = []
-        NullExecutor.layer_specs = layer_specs
+        executor_cls.layer_specs = layer_specs
         self.config = config
-        self.core = EngineCore(config, NullExecutor, log_stats=True)
+        self._step = 0
+        # (step, request id) -> drafts accepted, from a recorded steps table.
+        self._accepted: dict[tuple[int, str], int] | None = None
+        self.core = EngineCore(config, executor_cls, log_stats=True)
         executor = self.core.model_executor
-        assert isinstance(executor, NullExecutor)
+        assert isinstance(executor, executor_cls)
         executor.adapter = self
         self.scheduler = self.core.scheduler
         self._schedule = _Timed(self.scheduler.schedule)
@@ -207,12 +212,33 @@ class CoreEngine:
         self._outputs: dict[str, list[int]] = {}  # request id -> output tokens
         self._sampled: list[str] = []
 
+    # -- hooks for adapters that add to a step (no-ops here) --------------
+    def _kv_output(self, scheduler_output) -> Any:
+        """The step's KVConnectorOutput, where a connector runs."""
+        return None
+
+    def _on_preprocessed(self, req: Any, request: EngineRequest) -> None:
+        """Sees vLLM's Request (block hashes computed) before it is added."""
+
+    def _before_step(self) -> None:
+        """Runs before each engine step."""
+
+    def _after_step(self) -> None:
+        """Runs after each engine step, before its outputs are read."""
+
+    def _group_hits(self, request_id: str) -> tuple[int, ...] | None:
+        """What each KV-cache group alone could have served, where known."""
+        return None
+
     # -- the model seam -------------------------------------------------
     def _model_output(self, so) -> ModelRunnerOutput:
         scheduled = so.num_scheduled_tokens
         self._sampled = []
+        kv_out = self._kv_output(so)
         if not scheduled:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            if kv_out is None:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_out)
         requests = self.scheduler.requests
         spec = so.scheduled_spec_decode_tokens
         req_ids = list(scheduled)
@@ -224,13 +250,16 @@ class CoreEngine:
             if req.num_computed_tokens >= req.num_tokens:
                 n = req.num_output_tokens
                 k = 1 + len(spec.get(rid, ()))
+                if self._accepted is not None:
+                    k = 1 + min(k - 1, self._accepted.get((self._step - 1, rid), k - 1))
                 sampled.append(self._outputs[rid][n:n + k])
                 self._sampled.append(rid)
             else:
                 sampled.append([])
+        extra = {} if kv_out is None else {"kv_connector_output": kv_out}
         return ModelRunnerOutput(req_ids=req_ids,
                                  req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled)
+                                 sampled_token_ids=sampled, **extra)
 
     def _drafts(self) -> DraftTokenIds | None:
         if not self.num_spec or not self._sampled:
@@ -256,11 +285,15 @@ class CoreEngine:
             sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
             cache_salt=request.cache_salt, data_parallel_rank=None)
         req, wave = self.core.preprocess_add_request(ecr)
+        self._on_preprocessed(req, request)
         self.core.add_request(req, wave)
 
     def step(self) -> StepResult:
+        self._before_step()
+        self._step += 1
         outputs, executed = self.core.step()
         self.core.post_step(executed)
+        self._after_step()
         result = StepResult(executed=executed)
         for eco in outputs.values():
             for out in eco.outputs:
@@ -270,11 +303,16 @@ class CoreEngine:
                         id=out.request_id, num_prompt_tokens=stats.num_prompt_tokens,
                         num_cached_tokens=stats.num_cached_tokens,
                         num_local_cached_tokens=stats.num_local_cached_tokens,
-                        num_external_cached_tokens=stats.num_external_cached_tokens))
+                        num_external_cached_tokens=stats.num_external_cached_tokens,
+                        group_hits=self._group_hits(out.request_id)))
                 if out.finish_reason is not None:
                     result.finished.append(out.request_id)
                     self._outputs.pop(out.request_id, None)
         return result
+
+    def hold_accepted(self, accepted: dict[tuple[int, str], int]) -> None:
+        """Accept only as many drafts per step as the recording did (its steps table)."""
+        self._accepted = accepted
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_requests()
