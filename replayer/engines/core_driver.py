@@ -131,6 +131,39 @@ def group_block_size(engine: dict[str, Any], group: dict[str, Any]) -> int:
     return int(group.get("block_size", engine.get("block_size", DEFAULT_BLOCK_SIZE)))
 
 
+# CacheConfig / SchedulerConfig fields a trace may set, by vLLM's names (the
+# same in every release served; an adapter drops the ones its release lacks).
+CACHE_KEYS = ("prefix_match_unit", "prefix_caching_hash_algo",
+              "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint")
+SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
+                  "long_prefill_token_threshold")
+
+
+def cache_kwargs(engine: dict[str, Any]) -> dict[str, Any]:
+    """``CacheConfig`` arguments from a trace's engine block (vLLM resolves the rest)."""
+    groups = engine["kv_groups"]
+    attn_sizes = [group_block_size(engine, g) for g in groups if g["kind"] != "mamba"]
+    out: dict[str, Any] = {
+        "block_size": int(engine.get("block_size", min(attn_sizes))),
+        "enable_prefix_caching": engine.get("enable_prefix_caching", True),
+        "num_gpu_blocks_override": int(engine["num_gpu_blocks"]),
+    }
+    out.update({k: engine[k] for k in CACHE_KEYS if k in engine})
+    mamba_sizes = [group_block_size(engine, g) for g in groups if g["kind"] == "mamba"]
+    if mamba_sizes:
+        out["mamba_cache_mode"] = engine.get("mamba_cache_mode", "align")
+        out["mamba_block_size"] = mamba_sizes[0]
+    return out
+
+
+def scheduler_kwargs(engine: dict[str, Any], max_model_len: int) -> dict[str, Any]:
+    """``SchedulerConfig`` arguments; async scheduling stays off in the replay."""
+    out: dict[str, Any] = {"max_model_len": max_model_len, "is_encoder_decoder": False,
+                           "async_scheduling": False}
+    out.update({k: engine[k] for k in SCHEDULER_KEYS if k in engine})
+    return out
+
+
 def plan_layers(engine: dict[str, Any], dtype_bytes: int) -> list[LayerPlan]:
     """One layer per declared group, plus the EAGLE draft layer and twins.
 

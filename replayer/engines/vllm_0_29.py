@@ -44,7 +44,8 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpe
                                         MLAAttentionSpec, SlidingWindowSpec)
 
 from . import UnsupportedByEngine
-from .core_driver import CoreEngine, LayerPlan, NullExecutor, group_block_size, plan_layers
+from .core_driver import (CoreEngine, LayerPlan, NullExecutor, cache_kwargs, plan_layers,
+                          scheduler_kwargs)
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TARGET_MODEL = MODELS / "tiny-llama"
@@ -100,38 +101,15 @@ def missing_settings(engine: dict[str, Any], version: str) -> list[str]:
 
 def build_vllm_config(engine: dict[str, Any], max_model_len: int, version: str) -> VllmConfig:
     """The trace's engine block as these releases' config objects; vLLM resolves the rest."""
-    groups = engine["kv_groups"]
-    has_mamba = any(g["kind"] == "mamba" for g in groups)
-    attn_sizes = [group_block_size(engine, g) for g in groups if g["kind"] != "mamba"]
-    block_size = int(engine.get("block_size", min(attn_sizes)))
     model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
                         max_model_len=max_model_len, dtype="float16")
     parallel = ParallelConfig(distributed_executor_backend=NullExecutor)
-    cache_kwargs: dict[str, Any] = dict(
-        block_size=block_size,
-        enable_prefix_caching=engine.get("enable_prefix_caching", True),
-        num_gpu_blocks_override=int(engine["num_gpu_blocks"]),
-    )
-    for key in ("prefix_match_unit", "prefix_caching_hash_algo",
-                "prefix_cache_retention_interval"):
-        if key in engine:
-            cache_kwargs[key] = engine[key]
-    if ("enable_mamba_shared_prefix_checkpoint" in engine
-            and _minor(version) >= SHARED_PREFIX_CHECKPOINT_SINCE):
-        cache_kwargs["enable_mamba_shared_prefix_checkpoint"] = (
-            engine["enable_mamba_shared_prefix_checkpoint"])
-    if has_mamba:
-        mamba_bs = [group_block_size(engine, g) for g in groups if g["kind"] == "mamba"]
-        cache_kwargs["mamba_cache_mode"] = engine.get("mamba_cache_mode", "align")
-        cache_kwargs["mamba_block_size"] = mamba_bs[0]
-    cache = CacheConfig(**cache_kwargs)
-    sched_kwargs: dict[str, Any] = dict(max_model_len=max_model_len, is_encoder_decoder=False,
-                                        async_scheduling=False)
-    for key in ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-                "long_prefill_token_threshold"):
-        if key in engine:
-            sched_kwargs[key] = engine[key]
-    scheduler = SchedulerConfig(**sched_kwargs)
+    cache_args = cache_kwargs(engine)
+    if _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE:
+        # Not a CacheConfig field before 0.31: see missing_settings.
+        cache_args.pop("enable_mamba_shared_prefix_checkpoint", None)
+    cache = CacheConfig(**cache_args)
+    scheduler = SchedulerConfig(**scheduler_kwargs(engine, max_model_len))
     speculative = None
     spec_cfg = engine.get("speculative")
     if spec_cfg:
