@@ -26,19 +26,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
-ENGINE = {
-    "block_size": 1536, "prefix_match_unit": 128,
-    "kv_groups": [{"kind": "full_attention"}, {"kind": "mamba"}],
-    "speculative": {"method": "eagle", "num_speculative_tokens": 1,
-                    "disable_lookahead_block_hashes": True},
-    "prefix_cache_retention_interval": 0,
-    "max_num_batched_tokens": 8192, "max_num_seqs": 256,
-    # 512 blocks of 1536 tokens: ~0.8 M tokens of GPU KV, so history is evicted
-    # from the GPU and returning conversations must come back from the store.
-    "num_gpu_blocks": 512,
-    "connector": "mooncake_store",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replay_conversation import GEOMETRIES  # noqa: E402  (the same hybrid geometry)
 
+# 512 blocks of 1536 tokens: ~0.8 M tokens of GPU KV, so history is evicted
+# from the GPU and returning conversations must come back from the store.
+ENGINE = {**GEOMETRIES["hybrid-b1536-pmu128-eagle"], "num_gpu_blocks": 512,
+          "connector": "mooncake_store"}
 
 POOL_BYTES = 3 * 1024 ** 3
 
