@@ -124,18 +124,23 @@ def _err(msg: str) -> int:
 _NOTES_SAID: set[str] = set()
 
 
+def _store_spec(args):
+    """``--store`` and ``--store-capacity`` as a StoreSpec; bad ones name the option."""
+    from .store import StoreError, parse_store_spec
+
+    try:
+        return parse_store_spec(args.store, args.store_capacity)
+    except ValueError as exc:
+        raise StoreError(str(exc)) from None
+
+
 def _replay(target, args, run=None):
     """Replay ``target`` on ``run`` (from :func:`replayer.engine_process.replayer`),
     else on ``--engine``; says each engine note once on stderr."""
     from .progress import ProgressBar
     from .replay import replay
 
-    from .store import parse_store_spec
-
-    try:
-        store = parse_store_spec(args.store, args.store_capacity)
-    except ValueError as exc:
-        raise TraceError("--store", str(exc).split(": ", 1)[-1]) from None
+    store = _store_spec(args)
     if store.host is not None and target.engine.get("connector"):
         from .store.master import wait_reachable
 
@@ -227,17 +232,13 @@ def _note_skipped(trace) -> None:
 def _check_recorded(args, traces) -> int:
     """``check --against recorded``: each replay against its own recording."""
     from .fidelity import check_against_recorded
-    from .store import parse_store_spec
 
     if args.update_golden:
         raise TraceError("--against recorded", "recorded observations are never rewritten "
                                                "(drop --update-golden)")
     if args.engine != "installed":
         raise TraceError("--against recorded", "replays on the installed vLLM only")
-    try:
-        store = parse_store_spec(args.store, args.store_capacity)
-    except ValueError as exc:
-        raise TraceError("--store", str(exc).split(": ", 1)[-1]) from None
+    store = _store_spec(args)
     worst = EXIT_OK
     for path, trace in traces:
         lines, ok, _ = check_against_recorded(trace, store=store)
@@ -265,8 +266,7 @@ def _check_one(args, path: Path, trace, result) -> int:
         label = "any engine" if written == "*" else written
         print(f"UPDATED {path}: goldens for {label} rewritten in {where} from engine "
               f"{engine_key}; review the change before committing")
-        store_where = store_check.update(path, is_scenario_path(path),
-                                         load_target(path), result)
+        store_where = store_check.update(path, is_scenario_path(path), trace, result)
         if store_where:
             print(f"UPDATED {path}: store goldens rewritten in {store_where}")
         return EXIT_MISMATCH
