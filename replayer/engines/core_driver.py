@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
@@ -37,6 +38,11 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
 from .base import EngineInfo, EngineRequest, PrefillOutcome, StepResult
+
+# The tiny model config directories vLLM reads (no hub): the target and its EAGLE draft.
+MODELS = Path(__file__).resolve().parent.parent / "models"
+TARGET_MODEL = MODELS / "tiny-llama"
+DRAFT_MODEL = MODELS / "tiny-eagle"
 
 DEFAULT_BLOCK_SIZE = 16       # CacheConfig.DEFAULT_BLOCK_SIZE in every release served
 HEAD_SIZE = 4                 # of the largest-block attention group; others scale

@@ -33,7 +33,6 @@ after 24577); 0.30.0 and later hit 24448.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,12 +43,9 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpe
                                         MLAAttentionSpec, SlidingWindowSpec)
 
 from . import UnsupportedByEngine
-from .core_driver import (CoreEngine, LayerPlan, NullExecutor, cache_kwargs, plan_layers,
-                          scheduler_kwargs)
+from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
+                          cache_kwargs, plan_layers, scheduler_kwargs)
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
-TARGET_MODEL = MODELS / "tiny-llama"
-DRAFT_MODEL = MODELS / "tiny-eagle"
 
 VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
 SHARED_PREFIX_CHECKPOINT_SINCE = (0, 31)        # CacheConfig.enable_mamba_shared_prefix_checkpoint

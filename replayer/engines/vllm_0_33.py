@@ -19,7 +19,6 @@ accepted unless a recorded steps table says otherwise.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,12 +28,9 @@ from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowSpec)
 
-from .core_driver import (CoreEngine, LayerPlan, NullExecutor, cache_kwargs, plan_layers,
-                          scheduler_kwargs)
+from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
+                          cache_kwargs, plan_layers, scheduler_kwargs)
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
-TARGET_MODEL = MODELS / "tiny-llama"
-DRAFT_MODEL = MODELS / "tiny-eagle"
 
 VERSIONS = ("0.33",)          # release range this adapter serves
 DTYPE = torch.float16
