@@ -32,12 +32,32 @@ from traces.tokens import block_tokens
 ID_MASK = (1 << 63) - 1
 
 
+def lookahead_tokens(engine: dict) -> int:
+    """Tokens after each block that vLLM (0.33 on) folds into the block's hash.
+
+    EAGLE's lookahead block hashes (on unless disabled, and off with a KV
+    connector or without prefix caching) cover the next token, so whether a
+    block hits depends on one token past it; MTP's multi-module chains read
+    ``num_speculative_tokens`` ahead. Mirrors ``VllmConfig.num_hash_lookahead_tokens``.
+    """
+    spec = engine.get("speculative")
+    if (not spec or spec.get("disable_lookahead_block_hashes") or engine.get("connector")
+            or engine.get("enable_prefix_caching") is False):
+        return 0
+    return int(spec.get("num_speculative_tokens", 1)) if spec.get("method") == "mtp" else 1
+
+
 def default_unit(engine: dict) -> int:
-    """The largest chunk that divides every block size and the prefix-match unit."""
+    """The largest chunk that divides every block size, the prefix-match unit and,
+    with lookahead hashes, the offset of the lookahead tokens past each block:
+    a chunk boundary must fall everywhere a hash of vLLM's ends, or two
+    anonymised prompts could differ where the originals agreed."""
     sizes = [int(engine.get("block_size", 16))]
     sizes += [int(g["block_size"]) for g in engine["kv_groups"] if "block_size" in g]
     if engine.get("prefix_match_unit"):
         sizes.append(int(engine["prefix_match_unit"]))
+    if lookahead_tokens(engine):
+        sizes.append(lookahead_tokens(engine))
     return reduce(gcd, sizes)
 
 

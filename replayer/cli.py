@@ -109,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     anon.add_argument("target", help="trace directory (or scenario)")
     anon.add_argument("-o", "--output", required=True, help="trace directory to write")
     anon.add_argument("--unit", type=int, help="tokens per hashed chunk (default: the largest "
-                                               "that divides every block size and the PMU)")
+                                               "that divides every block size, the PMU and the "
+                                               "lookahead offset of EAGLE's block hashes)")
     anon.add_argument("--secret", metavar="HEX",
                       help="hash key, for reproducible ids (default: random, never stored)")
     return p
