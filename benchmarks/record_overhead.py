@@ -4,13 +4,15 @@ Replays the Mooncake conversation slice (full attention, block 16) through
 vLLM's EngineCore twice per round, in fresh processes: plain, and with the
 recorder installed (the same scheduler subclass ``vllm serve`` loads). It
 prints the seconds spent inside ``EngineCore.step`` (schedule, the null
-model, update_from_output: the engine core's step time), the added time in
-percent, peak RSS of each, the recorded trace's size on disk per request and
+model, update_from_output: the engine core's step time) as wall time and as
+the engine thread's CPU time (steady where wall time swings with whatever
+else the machine runs), the writer thread's GIL-holding time (the part of
+its work that could delay a step), peak RSS of each, the recorded trace's size on disk per request and
 per store operation (from a MooncakeStore fixture), and whether the
 recording replays to the same outcomes, schedule and keys (the 1,000-request
 round trip).
 
-    python benchmarks/record_overhead.py [--requests 1000] [--rounds 2]
+    python benchmarks/record_overhead.py [--requests 1000] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -59,16 +61,16 @@ def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
     from replayer.recorder import scheduler as rec_sched
     from replayer.recorder import session as rec_session
 
-    hook_s = [0.0]
+    hook_s = {"step": 0.0, "add": 0.0}      # recorder time on the engine thread
     for name in ("added", "scheduled", "updated", "finished", "aborted", "reset"):
         fn = getattr(rec_sched.SchedulerRecorder, name)
 
-        def timed(*a, _fn=fn, **k):
+        def timed(*a, _fn=fn, _where="add" if name == "added" else "step", **k):
             t = time.perf_counter()
             try:
                 return _fn(*a, **k)
             finally:
-                hook_s[0] += time.perf_counter() - t
+                hook_s[_where] += time.perf_counter() - t
 
         setattr(rec_sched.SchedulerRecorder, name, timed)
     writers = []
@@ -87,14 +89,15 @@ def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
                                 record_dir=out_dir if mode == "record" else None)
     adapter.info = EngineInfo(vllm=installed_vllm_version())
     step = adapter.step
-    spent = [0.0]
+    spent = [0.0, 0.0]
 
     def timed_step():
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             return step()
         finally:
             spent[0] += time.perf_counter() - t
+            spent[1] += time.thread_time() - c
 
     adapter.step = timed_step
     t0 = time.perf_counter()
@@ -102,8 +105,10 @@ def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
     t_close = time.perf_counter()
     adapter.close()                    # the recorder's last flush happens here
     close_s = time.perf_counter() - t_close
-    return {"step_s": spent[0], "loop_s": t_close - t0, "close_s": close_s,
-            "hook_s": hook_s[0], "writer_cpu_s": sum(w.cpu_seconds for w in writers),
+    return {"step_s": spent[0], "step_cpu_s": spent[1], "loop_s": t_close - t0,
+            "close_s": close_s, "hook_step_s": hook_s["step"], "hook_add_s": hook_s["add"],
+            "writer_cpu_s": sum(w.cpu_seconds for w in writers),
+            "writer_gil_s": sum(w.gil_cpu_seconds for w in writers),
             "steps": result.steps,
             "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -135,7 +140,7 @@ def _fidelity(trace_dir: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1000)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--child", nargs="+")
     args = ap.parse_args()
     if args.child:
@@ -157,21 +162,31 @@ def main() -> None:
     best_p = min(plain, key=lambda x: x["step_s"])
     best_r = min(rec, key=lambda x: x["step_s"])
     added = 100 * (best_r["step_s"] - best_p["step_s"]) / best_p["step_s"]
-    hook = min(r["hook_s"] for r in rec)
+    cpu_p = min(r["step_cpu_s"] for r in plain)
+    cpu_r = min(r["step_cpu_s"] for r in rec)
+    base = best_p["step_s"]
+    in_step = 100 * min(r["hook_step_s"] for r in rec) / base
+    at_add = 100 * min(r["hook_add_s"] for r in rec) / base
+    gil = 100 * min(r["writer_gil_s"] for r in rec) / base
     writer_cpu = min(r["writer_cpu_s"] for r in rec)
     out = tmp / "rec0"
     size = _du(out)
     print(f"conversation slice: {args.requests} requests, {best_p['steps']} engine steps, "
-          f"best of {args.rounds} rounds each")
-    print(f"  EngineCore.step time  plain {best_p['step_s']:.2f} s   recording "
-          f"{best_r['step_s']:.2f} s   added {added:+.2f}%")
-    print(f"  per step              plain {1e3 * best_p['step_s'] / best_p['steps']:.3f} ms  "
+          f"null model, best of {args.rounds} rounds each")
+    print(f"  EngineCore.step wall  plain {base:.2f} s   recording {best_r['step_s']:.2f} s   "
+          f"added {added:+.2f}% (A/B: swings with whatever else the machine runs)")
+    print(f"  engine thread CPU     plain {cpu_p:.2f} s   recording {cpu_r:.2f} s   added "
+          f"{100 * (cpu_r - cpu_p) / cpu_p:+.2f}% (as noisy)")
+    print(f"  per step              plain {1e3 * base / best_p['steps']:.3f} ms  "
           f"recording {1e3 * best_r['step_s'] / best_r['steps']:.3f} ms")
-    print(f"  recorder hooks        {hook:.3f} s on the engine thread = "
-          f"{100 * hook / best_p['step_s']:.2f}% of plain step time (the A/B figure above "
-          f"swings with machine noise; this one does not)")
-    print(f"  writer thread CPU     {writer_cpu:.3f} s = {100 * writer_cpu / best_p['step_s']:.2f}% "
-          f"(off the engine thread: encoding and fsync)")
+    print("  recording's own time, as % of plain step time (steady run to run):")
+    print(f"    hooks inside step   {in_step:.2f}%  (schedule/update_from_output/_free_request)")
+    print(f"    add_request hook    {at_add:.2f}%  (packing each prompt; between steps)")
+    print(f"    writer thread GIL   {gil:.2f}%  (building Arrow columns; the rest of its "
+          f"{writer_cpu:.2f} s CPU, Parquet encoding and fsync, releases the GIL)")
+    print(f"    engine-critical     {in_step + at_add + gil:.2f}%  (upper bound: all three, as if "
+          f"the writer always stalled a step, as it can only with a model that never waits "
+          f"on a GPU)")
     print(f"  final flush at close  {best_r['close_s']:.2f} s (plain {best_p['close_s']:.2f} s)")
     print(f"  peak RSS              plain {best_p['rss_mb']:.0f} MB   recording "
           f"{best_r['rss_mb']:.0f} MB")

@@ -17,7 +17,7 @@ import pytest
 from traces import schema
 from traces.errors import TraceError
 from traces.trace import read_trace
-from traces.writer import PartWriter, part_name
+from traces.writer import PartWriter, pack_tokens, part_name
 
 from helpers_traces import REPO, cli
 
@@ -51,6 +51,29 @@ def test_parts_merge_in_order_and_requests_sort_by_arrival(tmp_path):
     trace = read_trace(out)
     assert trace.requests["id"].to_pylist() == [f"r{i}" for i in range(10)]
     assert trace.skipped_parts == []
+
+
+def test_packed_and_listed_tokens_and_step_batches_read_back_alike(tmp_path):
+    out = _trace_dir(tmp_path)
+    w = PartWriter(out, schema.REQUESTS)
+    w.append({**_request(0, 0), "prompt_tokens": pack_tokens([5, 2**31 - 1, 0]),
+              "num_prompt_tokens": 3, "output_tokens": pack_tokens([9, 8])})
+    w.append({**_request(1, 1), "output_tokens": None})
+    w.append({**_request(2, 2), "prompt_tokens": pack_tokens([]), "num_prompt_tokens": 0})
+    w.close()
+    steps = PartWriter(out, schema.STEPS)
+    steps.extend({"step": 4, "id": ["a", "b"], "num_scheduled_tokens": [3, 1]}, 2)
+    steps.append({"step": 5, "id": "a", "num_scheduled_tokens": 1, "num_accepted_tokens": 0})
+    steps.extend({"step": 6, "id": ["b"], "num_scheduled_tokens": [2],
+                  "num_accepted_tokens": [1]}, 1)
+    steps.extend({"step": 7, "id": [], "num_scheduled_tokens": []}, 0)
+    steps.close()
+    rq = pq.read_table(out / "requests" / part_name(0, 0))
+    assert rq["prompt_tokens"].to_pylist() == [[5, 2**31 - 1, 0], [1, 1, 2, 3], []]
+    assert rq["output_tokens"].to_pylist() == [[9, 8], None, [7]]
+    st = pq.read_table(out / "steps" / part_name(0, 0)).to_pylist()
+    assert [(r["step"], r["id"], r["num_scheduled_tokens"], r["num_accepted_tokens"])
+            for r in st] == [(4, "a", 3, None), (4, "b", 1, None), (5, "a", 1, 0), (6, "b", 2, 1)]
 
 
 def test_time_based_flush_writes_a_part_without_more_rows(tmp_path):

@@ -17,6 +17,15 @@ Flushes run on a background thread so the engine's step never waits on
 Parquet encoding or the disk; the hand-off queue holds at most
 ``MAX_PENDING`` buffers, so memory stays bounded even on a slow disk (the
 engine then waits, rather than the recorder growing without limit).
+
+What the engine's thread does per row is kept to the least, because the
+writer thread shares its GIL: rows are added to a few long-lived column
+lists (no per-row objects survive to burden vLLM's garbage collections:
+that cost more than the hooks themselves), a step's rows go in as one
+batch (a scalar stands for a column repeated over the batch), and token
+lists go in packed (:func:`pack_tokens`, 4 bytes a token, not a tracked
+list of Python ints), so the writer thread turns them into Arrow with
+numpy. Parquet encoding and compression release the GIL.
 """
 
 from __future__ import annotations
@@ -24,12 +33,14 @@ from __future__ import annotations
 import os
 import queue
 import re
+import struct
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -42,11 +53,22 @@ MAX_PENDING = 2
 DEFAULT_MAX_ROWS = 65536
 DEFAULT_MAX_WEIGHT = 1_000_000     # list elements (tokens) buffered before a flush
 DEFAULT_MAX_SECONDS = 10.0
+_SEQUENCES = (list, tuple, type({}.keys()), type({}.values()))
 # A recorder writes requests with their tokens; the imported and anonymised
 # forms (after, arrival_ms, prompt_block_ids) stay out of recorded parts.
 RECORDED_COLUMNS = {"requests": ("id", "arrival_step", "num_prompt_tokens", "prompt_tokens",
                                  "output_len", "output_tokens", "cache_salt", "lora_name",
                                  "arrival_order")}
+
+
+def pack_tokens(tokens) -> bytes:
+    """Token ids as little-endian int32 bytes: what a list<int32> column takes packed.
+
+    ``struct.pack`` reads a list of ints about twice as fast as any Arrow or
+    numpy conversion, and the packed form holds a token in 4 bytes rather
+    than a Python int's 28 plus the list's pointer.
+    """
+    return struct.pack(f"<{len(tokens)}i", *tokens)
 
 
 def part_name(rank: int, seq: int) -> str:
@@ -82,10 +104,11 @@ def write_part(folder: Path, table: pa.Table, rank: int, seq: int) -> Path:
 class PartWriter:
     """Buffered rows of one table, flushed as whole parts every N rows or T seconds.
 
-    ``append`` is all the engine's thread does per row (a list append and
-    two comparisons); encoding and disk writes happen on the writer thread.
-    ``weight`` lets a row count for its list lengths (a prompt's tokens), so
-    the buffer is bounded in elements, not only rows.
+    ``append`` (one row) and ``extend`` (a batch of rows, column-wise) are all
+    the engine's thread does: the batch is kept as given and turned into
+    columns on the writer thread. ``weight`` lets a row count for its list
+    lengths (a prompt's tokens), so the buffer is bounded in elements, not
+    only rows.
     """
 
     def __init__(self, trace_dir: str | os.PathLike, spec: schema.Table, rank: int = 0,
@@ -116,40 +139,43 @@ class PartWriter:
         self.parts_written = 0
         self.rows_written = 0
         self.cpu_seconds = 0.0        # the writer thread's own CPU time (encoding, disk)
+        self.gil_cpu_seconds = 0.0    # of which building Arrow columns (holds the GIL)
         self._thread = threading.Thread(target=self._run, name=f"trace-writer-{spec.name}",
                                         daemon=True)
         self._thread.start()
 
     # -- engine thread ---------------------------------------------------
     def append(self, row: dict[str, Any], weight: int = 1) -> None:
-        """One row (a mapping of column to value; absent columns are null)."""
-        if self._error is not None:
-            raise self._error
-        with self._lock:
-            if not self._n:
-                self._since = time.monotonic()
-            for name, col in self._cols.items():
-                col.append(row.get(name))
-            self._n += 1
-            self._weight += weight
-            full = self._n >= self.max_rows or self._weight >= self.max_weight
-        if full:
-            self.flush()
+        """One row (a mapping of column to value; absent columns are null).
 
-    def extend(self, columns: dict[str, list[Any]], n: int) -> None:
-        """``n`` rows given column-wise: the cheap way to add a step's rows."""
+        A list<int32> column's value may be a list of ints or :func:`pack_tokens` bytes.
+        """
+        self._add(row, None, 1, weight)
+
+    def extend(self, columns: dict[str, Any], n: int) -> None:
+        """``n`` rows given column-wise: each column a list, tuple or dict view of
+        ``n`` values, or one value standing for all ``n``; absent columns are null."""
+        if n:
+            self._add(columns, n, n, n)
+
+    def _add(self, batch: dict[str, Any], n: int | None, rows: int, weight: int) -> None:
         if self._error is not None:
             raise self._error
-        if not n:
-            return
         with self._lock:
             if not self._n:
                 self._since = time.monotonic()
-            for name, col in self._cols.items():
-                values = columns.get(name)
-                col.extend(values if values is not None else [None] * n)
-            self._n += n
-            self._weight += n
+            if n is None:
+                for name, col in self._cols.items():
+                    col.append(batch.get(name))
+            else:
+                for name, col in self._cols.items():
+                    v = batch.get(name)
+                    if type(v) in _SEQUENCES:
+                        col += v
+                    else:
+                        col += [v] * n
+            self._n += rows
+            self._weight += weight
             full = self._n >= self.max_rows or self._weight >= self.max_weight
         if full:
             self.flush()
@@ -179,19 +205,20 @@ class PartWriter:
         tick = max(0.05, min(1.0, self.max_seconds / 4))
         while True:
             try:
-                rows = self._queue.get(timeout=tick)
+                cols = self._queue.get(timeout=tick)
             except queue.Empty:
                 with self._lock:
                     stale = self._n and time.monotonic() - self._since >= self.max_seconds
                 if stale:
                     self.flush()
                 continue
-            if rows is None:
+            if cols is None:
                 return
             t = time.thread_time()
             try:
-                table = pa.Table.from_arrays([pa.array(rows[f.name], f.type) for f in self.schema],
+                table = pa.Table.from_arrays([_array(cols[f.name], f.type) for f in self.schema],
                                              schema=self.schema)
+                self.gil_cpu_seconds += time.thread_time() - t
                 write_part(self.folder, table, self.rank, self._seq)
                 self._seq += 1
                 self.parts_written += 1
@@ -199,6 +226,24 @@ class PartWriter:
             except BaseException as exc:  # noqa: BLE001 - raised on the engine's next append
                 self._error = exc
             self.cpu_seconds += time.thread_time() - t
+
+
+def _array(values: list[Any], typ: pa.DataType) -> pa.Array:
+    """Arrow array of a column; packed token bytes become a list array through numpy."""
+    if not (pa.types.is_list(typ) and typ.value_type == pa.int32()
+            and any(isinstance(v, bytes) for v in values)):
+        return pa.array(values, typ)
+    packed = [v if v is None or isinstance(v, bytes) else pack_tokens(v) for v in values]
+    lengths = np.fromiter((0 if v is None else len(v) >> 2 for v in packed), np.int32,
+                          count=len(packed))
+    offsets = np.zeros(len(packed) + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.frombuffer(b"".join(v for v in packed if v is not None), "<i4")
+    mask = None
+    if any(v is None for v in packed):
+        mask = pa.array([v is None for v in packed])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int32()), typ,
+                                    mask=mask)
 
 
 @dataclass

@@ -10,10 +10,11 @@ set (see :func:`.session.record_dir`); otherwise the class is vLLM's.
 What becomes which table (the step clock is the number of ``schedule()``
 calls so far, the replayer's clock):
 
-* ``requests``: one row per request when it finishes or is aborted (its
-  output is known only then), with ``arrival_step`` and ``arrival_order``
-  from when it was added; rows of requests still running are written at
-  shutdown.
+* ``requests``: one row per request when vLLM frees it (finished or
+  aborted: its output is known only then), with ``arrival_step`` and
+  ``arrival_order`` from when it was added; rows of requests still running
+  are written at shutdown. The prompt is packed when the request is added,
+  so the recorder never keeps vLLM's ``Request`` alive.
 * ``steps``: (step, id, num_scheduled_tokens, num_accepted_tokens) for
   every request scheduled, accepted drafts from the sampled tokens.
 * ``outcomes``: each request's ``prefill_stats`` (cached, local, external).
@@ -28,6 +29,8 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
+
+from traces.writer import pack_tokens
 
 from .header import recorded_header
 from .session import SchedulerSession, record_dir, write_header
@@ -46,9 +49,11 @@ class SchedulerRecorder:
         w = self.session.writers
         self._requests, self._steps = w["requests"], w["steps"]
         self._outcomes, self._events = w["outcomes"], w["events"]
-        self._live: dict[str, tuple[int, int, Any]] = {}   # id -> (arrival_step, order, request)
+        # id -> (arrival_step, order, packed prompt, cache_salt, lora_name, max_tokens)
+        self._live: dict[str, tuple] = {}
         self._order = 0
         self._pending: list[tuple[Any, int]] = []          # (scheduler_output, step)
+        self.external_finish = False      # inside finish_requests: not finished by its output
 
     @property
     def step(self) -> int:
@@ -58,7 +63,15 @@ class SchedulerRecorder:
         rid = request.request_id
         if rid in self._live:            # a streaming continuation: same request
             return
-        self._live[rid] = (self.session.step, self._order, request)
+        # Packed now, while vLLM has just read (hashed) these tokens and they are
+        # still in the CPU cache: at finish the same packing costs 2-3x more.
+        prompt = request.prompt_token_ids
+        if prompt is None:               # prompt embeddings: nothing to replay
+            return
+        lora = request.lora_request
+        self._live[rid] = (self.session.step, self._order, pack_tokens(prompt),
+                           request.cache_salt, lora.lora_name if lora else None,
+                           request.max_tokens)
         self._order += 1
         self.session.add_boundaries(rid, request.block_hashes)
 
@@ -67,28 +80,21 @@ class SchedulerRecorder:
         self.session.step += 1
 
     def updated(self, so: Any, mro: Any, outputs: dict[int, Any]) -> None:
+        # Runs every step on the engine's thread: the step's rows go straight
+        # into the writer's column lists, and nothing made here outlives the call.
         step = None
-        for i, (pso, pstep) in enumerate(self._pending):
+        pending = self._pending
+        for i, (pso, pstep) in enumerate(pending):
             if pso is so:
                 step = pstep
-                del self._pending[: i + 1]
+                del pending[: i + 1]
                 break
-        if step is not None and so.num_scheduled_tokens:
-            ids = list(so.num_scheduled_tokens)
-            spec = so.scheduled_spec_decode_tokens
-            acc = None
-            if spec:
-                index = mro.req_id_to_index
-                sampled = mro.sampled_token_ids
-                acc = [None] * len(ids)
-                for k, rid in enumerate(ids):
-                    if spec.get(rid):
-                        j = index.get(rid)
-                        got = sampled[j] if j is not None and j < len(sampled) else None
-                        acc[k] = max(len(got) - 1, 0) if got else None
-            self._steps.extend({"step": [step] * len(ids), "id": ids,
-                                "num_scheduled_tokens": list(so.num_scheduled_tokens.values()),
-                                "num_accepted_tokens": acc}, len(ids))
+        nst = so.num_scheduled_tokens
+        if step is not None and nst:
+            acc = self._accepted(so, mro) if so.scheduled_spec_decode_tokens else None
+            self._steps.extend({"step": step, "id": nst.keys(),
+                                "num_scheduled_tokens": nst.values(),
+                                "num_accepted_tokens": acc}, len(nst))
         for eco in outputs.values():
             for out in eco.outputs:
                 stats = out.prefill_stats
@@ -98,45 +104,71 @@ class SchedulerRecorder:
                         "num_cached_tokens": stats.num_cached_tokens,
                         "num_local_cached_tokens": stats.num_local_cached_tokens,
                         "num_external_cached_tokens": stats.num_external_cached_tokens})
-                if out.finish_reason is not None:
-                    self.finished(out.request_id, aborted=False)
 
-    def finished(self, rid: str, aborted: bool) -> None:
-        entry = self._live.pop(rid, None)
+    @staticmethod
+    def _accepted(so: Any, mro: Any) -> list[int | None]:
+        """Accepted draft tokens per scheduled request (None where none were proposed)."""
+        spec = so.scheduled_spec_decode_tokens
+        index = mro.req_id_to_index
+        sampled = mro.sampled_token_ids
+        acc: list[int | None] = []
+        for rid in so.num_scheduled_tokens:
+            got = None
+            if spec.get(rid):
+                j = index.get(rid)
+                got = sampled[j] if j is not None and j < len(sampled) else None
+            acc.append(max(len(got) - 1, 0) if got else None)
+        return acc
+
+    def finished(self, request: Any) -> None:
+        """A request vLLM frees (or one still live at shutdown): its row, now complete."""
+        entry = self._live.pop(request.request_id, None)
         if entry is None:
             return
-        arrival, order, req = entry
-        prompt = req.prompt_token_ids
-        if prompt is None:               # prompt embeddings: nothing to replay
-            return
-        out = list(req.output_token_ids)
-        n_out = len(out)
-        if aborted or n_out == 0:
+        arrival, order, prompt, salt, lora, max_tokens = entry
+        out = pack_tokens(request.output_token_ids)
+        n_out = len(out) >> 2
+        if self.external_finish or n_out == 0 or request.status == RequestStatus.FINISHED_ABORTED:
             # Not finished by its own output: keep it running until the abort event.
-            n_out = max(int(req.max_tokens), n_out, 1)
-            out += [0] * (n_out - len(out))
-        lora = getattr(req.lora_request, "lora_name", None) if req.lora_request else None
+            pad = max(int(max_tokens), n_out, 1) - n_out
+            out += bytes(4 * pad)
+            n_out += pad
+        n_prompt = len(prompt) >> 2
         self._requests.append({
-            "id": rid, "arrival_step": arrival, "num_prompt_tokens": len(prompt),
+            "id": request.request_id, "arrival_step": arrival, "num_prompt_tokens": n_prompt,
             "prompt_tokens": prompt, "output_len": n_out, "output_tokens": out,
-            "cache_salt": req.cache_salt, "lora_name": lora, "arrival_order": order},
-            weight=1 + len(prompt) + n_out)
+            "cache_salt": salt, "lora_name": lora, "arrival_order": order},
+            weight=1 + n_prompt + n_out)
 
     def aborted(self, requests: list[Any]) -> None:
         for req in requests:
             self._events.append({"after": None, "at_step": self.session.step, "action": "abort",
                                  "target": req.request_id})
-            self.finished(req.request_id, aborted=True)
 
     def reset(self, ok: bool) -> None:
         if ok:
             self._events.append({"after": None, "at_step": self.session.step,
                                  "action": "reset_prefix_cache", "target": None})
 
-    def close(self) -> None:
+    def close(self, requests: dict[str, Any]) -> None:
+        """Rows of requests still live (``requests``: the scheduler's), then the last flush."""
+        self.external_finish = True
         for rid in list(self._live):
-            self.finished(rid, aborted=True)
+            req = requests.get(rid)
+            if req is None:
+                req = _Gone(rid)
+            self.finished(req)
         self.session.close()
+
+
+class _Gone:
+    """A live request the scheduler no longer holds at shutdown: no output known."""
+
+    status = None
+    output_token_ids: tuple = ()
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
 
 
 class _Recording:
@@ -168,13 +200,22 @@ class _Recording:
         return outputs
 
     def finish_requests(self, request_ids, finished_status):
-        done = super().finish_requests(request_ids, finished_status)
-        if self._recorder is not None and finished_status == RequestStatus.FINISHED_ABORTED:
-            self._recorder.aborted(done)
-        elif self._recorder is not None:
-            for req in done:
-                self._recorder.finished(req.request_id, aborted=True)
+        rec = self._recorder
+        if rec is None:
+            return super().finish_requests(request_ids, finished_status)
+        rec.external_finish = True        # rows are written by _free_request below
+        try:
+            done = super().finish_requests(request_ids, finished_status)
+        finally:
+            rec.external_finish = False
+        if finished_status == RequestStatus.FINISHED_ABORTED:
+            rec.aborted(done)
         return done
+
+    def _free_request(self, request, *args, **kwargs):
+        if self._recorder is not None:
+            self._recorder.finished(request)
+        return super()._free_request(request, *args, **kwargs)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False,
                            reset_connector: bool = False) -> bool:
@@ -188,7 +229,7 @@ class _Recording:
             super().shutdown()
         finally:
             if self._recorder is not None:
-                self._recorder.close()
+                self._recorder.close(self.requests)
 
 
 class RecordingScheduler(_Recording, Scheduler):
