@@ -228,6 +228,8 @@ def cmd_check(args) -> int:
 def _note_skipped(trace) -> None:
     for part in getattr(trace, "skipped_parts", ()):
         print(f"replayer: note: skipped half-written part {part}", file=sys.stderr)
+    for note in getattr(trace, "notes", ()):
+        print(f"replayer: note: {note}", file=sys.stderr)
 
 
 def _check_recorded(args, traces) -> int:
@@ -401,6 +403,8 @@ def cmd_info(args) -> int:
     print(f"prompt tokens: {sum(rq['num_prompt_tokens'].to_pylist())}")
     for part in trace.skipped_parts:
         print(f"skipped half-written part: {part}")
+    for note in trace.notes:
+        print(f"note: {note}")
     for key, expect in sorted(trace.goldens.items()):
         label = "any engine" if key == "*" else key
         print(f"goldens for {label}: {len(expect)} requests")

@@ -57,10 +57,15 @@ def test_packed_and_listed_tokens_and_step_batches_read_back_alike(tmp_path):
     out = _trace_dir(tmp_path)
     w = PartWriter(out, schema.REQUESTS)
     w.append({**_request(0, 0), "prompt_tokens": pack_tokens([5, 2**31 - 1, 0]),
-              "num_prompt_tokens": 3, "output_tokens": pack_tokens([9, 8])})
-    w.append({**_request(1, 1), "output_tokens": None})
+              "num_prompt_tokens": 3})
+    w.append({**_request(1, 1), "prompt_tokens": None})
     w.append({**_request(2, 2), "prompt_tokens": pack_tokens([]), "num_prompt_tokens": 0})
     w.close()
+    fin = PartWriter(out, schema.FINISHES)
+    fin.append({"id": "r0", "output_len": 2, "output_tokens": pack_tokens([9, 8])})
+    fin.append({"id": "r1", "output_len": 1, "output_tokens": None})
+    fin.append({"id": "r2", "output_len": 1, "output_tokens": [7]})
+    fin.close()
     steps = PartWriter(out, schema.STEPS)
     steps.extend({"step": 4, "id": ["a", "b"], "num_scheduled_tokens": [3, 1]}, 2)
     steps.append({"step": 5, "id": "a", "num_scheduled_tokens": 1, "num_accepted_tokens": 0})
@@ -69,8 +74,9 @@ def test_packed_and_listed_tokens_and_step_batches_read_back_alike(tmp_path):
     steps.extend({"step": 7, "id": [], "num_scheduled_tokens": []}, 0)
     steps.close()
     rq = pq.read_table(out / "requests" / part_name(0, 0))
-    assert rq["prompt_tokens"].to_pylist() == [[5, 2**31 - 1, 0], [1, 1, 2, 3], []]
-    assert rq["output_tokens"].to_pylist() == [[9, 8], None, [7]]
+    assert rq["prompt_tokens"].to_pylist() == [[5, 2**31 - 1, 0], None, []]
+    fin = pq.read_table(out / "finishes" / part_name(0, 0))
+    assert fin["output_tokens"].to_pylist() == [[9, 8], None, [7]]
     st = pq.read_table(out / "steps" / part_name(0, 0)).to_pylist()
     assert [(r["step"], r["id"], r["num_scheduled_tokens"], r["num_accepted_tokens"])
             for r in st] == [(4, "a", 3, None), (4, "b", 1, None), (5, "a", 1, 0), (6, "b", 2, 1)]
@@ -153,3 +159,30 @@ def test_stray_file_and_both_forms_are_errors(tmp_path):
     pq.write_table(pq.read_table(out / "requests" / part_name(0, 0)), out / "requests.parquet")
     with pytest.raises(TraceError, match="a table is one or the other"):
         read_trace(out)
+
+
+def test_finishes_fold_into_requests_and_running_ones_end_with_the_recording(tmp_path):
+    out = _trace_dir(tmp_path)
+    rq = PartWriter(out, schema.REQUESTS)
+    for i in range(3):
+        rq.append({"id": f"r{i}", "arrival_step": i, "num_prompt_tokens": 2,
+                   "prompt_tokens": pack_tokens([i, 1]), "output_len": 50, "arrival_order": i})
+    rq.close()
+    fin = PartWriter(out, schema.FINISHES)
+    fin.append({"id": "r0", "output_len": 2, "output_tokens": pack_tokens([7, 8])})
+    fin.append({"id": "gone", "output_len": 1, "output_tokens": pack_tokens([9])})
+    fin.close()
+    steps = PartWriter(out, schema.STEPS)
+    steps.extend({"step": 7, "id": ["r1", "r2"], "num_scheduled_tokens": [1, 1]}, 2)
+    steps.close()
+    trace = read_trace(out)
+    assert trace.requests["output_len"].to_pylist() == [2, 50, 50]
+    assert trace.requests["output_tokens"].to_pylist() == [[7, 8], None, None]
+    assert trace.events.to_pylist() == [
+        {"after": None, "at_step": 8, "action": "abort", "target": "r1"},
+        {"after": None, "at_step": 8, "action": "abort", "target": "r2"}]
+    assert any("2 request(s) still running" in n and "step 8" in n for n in trace.notes)
+    assert any("1 finish row(s)" in n for n in trace.notes)
+    proc = cli("info", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "note: 2 request(s) still running when the recording ended" in proc.stdout

@@ -57,9 +57,17 @@ REQUESTS = Table("requests", (
     Column("cache_salt", pa.string(), required=False, nullable=True),
     Column("lora_name", pa.string(), required=False, nullable=True),
     Column("arrival_order", pa.int64(), required=False, nullable=True,
-           doc="recorded traces: order of arrival (rows are written as requests finish; "
-               "the reader sorts by it)"),
+           doc="recorded traces: order of arrival (the reader sorts by it)"),
 ), required=True)
+
+# Recorded traces only, a folder of parts beside ``requests/``: a request's row
+# is written when it arrives (so a kill loses no request that was running), its
+# output when vLLM frees it. The reader folds these rows into ``requests``.
+FINISHES = Table("finishes", (
+    Column("id", pa.string(), doc="request id (a row of requests)"),
+    Column("output_len", pa.int64()),
+    Column("output_tokens", pa.list_(pa.int32()), nullable=True),
+))
 
 EVENTS = Table("events", (
     Column("after", pa.string(), nullable=True, doc="runs once this request finished"),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schema, store_goldens
@@ -39,6 +40,8 @@ class Trace:
     path: Path | None = None
     # Half-written parts of a recorded trace (temporary names a kill left); skipped.
     skipped_parts: list[str] = field(default_factory=list)
+    # What reading a recording had to settle (requests still running at its end).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def engine(self) -> dict[str, Any]:
@@ -149,10 +152,62 @@ def read_header(trace_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _sorted_by_arrival(table: pa.Table | None) -> pa.Table | None:
-    """Recorded requests are written as they finish; replay reads them in arrival order."""
+    """Recorded requests in arrival order (older recordings wrote them as they finished)."""
     if table is None or "arrival_order" not in table.column_names:
         return table
     return table.sort_by([("arrival_order", "ascending")])
+
+
+def _fold_finishes(root: Path, requests: pa.Table, finishes: pa.Table | None,
+                   tables: dict[str, pa.Table | None], notes: list[str]) -> pa.Table:
+    """Outputs of finished requests into their rows; the rest stopped with the recording.
+
+    A request with no finish row was still running when the recording ended
+    (shutdown or kill): it keeps ``output_len`` = its ``max_tokens`` and gets
+    an ``abort`` event just after the last recorded step, so the replay stops
+    it where the recording stopped.
+    """
+    ids = requests["id"].to_pylist()
+    index = {rid: i for i, rid in enumerate(ids)}
+    out_len = requests["output_len"].to_pylist()
+    out_tok: list[Any] = [None] * len(ids)
+    orphans = 0
+    if finishes is not None:
+        for rid, n, toks in zip(finishes["id"].to_pylist(), finishes["output_len"].to_pylist(),
+                                finishes["output_tokens"].to_pylist()):
+            i = index.get(rid)
+            if i is None:
+                orphans += 1
+                continue
+            out_len[i], out_tok[i] = n, toks
+            index[rid] = -1
+    if orphans:
+        notes.append(f"{root / schema.FINISHES.name}: {orphans} finish row(s) of requests "
+                     "whose part was lost; dropped")
+    running = [rid for rid, i in index.items() if i >= 0]
+    if running:
+        # The recording ended after its last step and its last arrival (a kill
+        # loses each table's last unflushed rows, not necessarily the same ones).
+        steps = tables.get("steps")
+        last = max(pc.max(steps["step"]).as_py() if steps is not None and steps.num_rows else 0,
+                   pc.max(requests["arrival_step"]).as_py() or 0)
+        events = tables.get("events")
+        extra = pa.Table.from_pylist(
+            [{"after": None, "at_step": last + 1, "action": "abort", "target": rid}
+             for rid in running], schema=schema.EVENTS.arrow_schema())
+        tables["events"] = extra if events is None else pa.concat_tables(
+            [events, extra.select(events.column_names).cast(events.schema)])
+        notes.append(f"{len(running)} request(s) still running when the recording ended: "
+                     f"aborted before step {last + 1} in the replay")
+    for name, values, typ in (("output_len", out_len, pa.int64()),
+                              ("output_tokens", out_tok, pa.list_(pa.int32()))):
+        field_ = pa.field(name, typ, nullable=name != "output_len")
+        arr = pa.array(values, typ)
+        if name in requests.column_names:
+            requests = requests.set_column(requests.column_names.index(name), field_, arr)
+        else:
+            requests = requests.append_column(field_, arr)
+    return requests
 
 
 def read_trace(trace_dir: str | os.PathLike) -> Trace:
@@ -179,6 +234,11 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
             raise TraceError(path, "missing (every trace has a requests table)")
         else:
             tables[name] = None
+    notes: list[str] = []
+    if (root / schema.FINISHES.name).is_dir():
+        got = read_parts(root / schema.FINISHES.name, schema.FINISHES, _read_table)
+        skipped += got.skipped
+        tables["requests"] = _fold_finishes(root, tables["requests"], got.table, tables, notes)
     goldens: Goldens = {}
     store_gold: dict[str, Any] = {}
     gdir = root / schema.GOLDEN_DIR
@@ -193,6 +253,6 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
             else:
                 goldens[key] = expect_from_table(table)
     trace = Trace(header=header, goldens=goldens, store_goldens=store_gold, path=root,
-                  skipped_parts=skipped, **tables)  # type: ignore[arg-type]
+                  skipped_parts=skipped, notes=notes, **tables)  # type: ignore[arg-type]
     validate_trace(root, trace)
     return trace

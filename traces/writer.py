@@ -54,11 +54,11 @@ DEFAULT_MAX_ROWS = 65536
 DEFAULT_MAX_WEIGHT = 1_000_000     # list elements (tokens) buffered before a flush
 DEFAULT_MAX_SECONDS = 10.0
 _SEQUENCES = (list, tuple, type({}.keys()), type({}.values()))
-# A recorder writes requests with their tokens; the imported and anonymised
-# forms (after, arrival_ms, prompt_block_ids) stay out of recorded parts.
+# A recorder writes requests with their tokens as they arrive (outputs go to
+# ``finishes``); the imported and anonymised forms (after, arrival_ms,
+# prompt_block_ids) stay out of recorded parts.
 RECORDED_COLUMNS = {"requests": ("id", "arrival_step", "num_prompt_tokens", "prompt_tokens",
-                                 "output_len", "output_tokens", "cache_salt", "lora_name",
-                                 "arrival_order")}
+                                 "output_len", "cache_salt", "lora_name", "arrival_order")}
 
 
 def pack_tokens(tokens) -> bytes:

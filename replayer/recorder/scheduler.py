@@ -10,11 +10,13 @@ set (see :func:`.session.record_dir`); otherwise the class is vLLM's.
 What becomes which table (the step clock is the number of ``schedule()``
 calls so far, the replayer's clock):
 
-* ``requests``: one row per request when vLLM frees it (finished or
-  aborted: its output is known only then), with ``arrival_step`` and
-  ``arrival_order`` from when it was added; rows of requests still running
-  are written at shutdown. The prompt is packed when the request is added,
-  so the recorder never keeps vLLM's ``Request`` alive.
+* ``requests``: one row per request when it is added (prompt packed while
+  vLLM has just hashed it, ``output_len`` its ``max_tokens`` until known),
+  so a kill loses no request that was running;
+* ``finishes``: its output when vLLM frees it (finished or aborted). The
+  reader folds these into ``requests``; a request with none was still
+  running when the recording ended, and the replay aborts it there. The
+  recorder never keeps vLLM's ``Request`` alive.
 * ``steps``: (step, id, num_scheduled_tokens, num_accepted_tokens) for
   every request scheduled, accepted drafts from the sampled tokens.
 * ``outcomes``: each request's ``prefill_stats`` (cached, local, external).
@@ -49,8 +51,8 @@ class SchedulerRecorder:
         w = self.session.writers
         self._requests, self._steps = w["requests"], w["steps"]
         self._outcomes, self._events = w["outcomes"], w["events"]
-        # id -> (arrival_step, order, packed prompt, cache_salt, lora_name, max_tokens)
-        self._live: dict[str, tuple] = {}
+        self._finishes = w["finishes"]
+        self._live: dict[str, int] = {}        # id -> max_tokens, while vLLM holds it
         self._order = 0
         self._pending: list[tuple[Any, int]] = []          # (scheduler_output, step)
         self.external_finish = False      # inside finish_requests: not finished by its output
@@ -63,15 +65,19 @@ class SchedulerRecorder:
         rid = request.request_id
         if rid in self._live:            # a streaming continuation: same request
             return
-        # Packed now, while vLLM has just read (hashed) these tokens and they are
-        # still in the CPU cache: at finish the same packing costs 2-3x more.
         prompt = request.prompt_token_ids
         if prompt is None:               # prompt embeddings: nothing to replay
             return
         lora = request.lora_request
-        self._live[rid] = (self.session.step, self._order, pack_tokens(prompt),
-                           request.cache_salt, lora.lora_name if lora else None,
-                           request.max_tokens)
+        n_prompt = len(prompt)
+        self._live[rid] = request.max_tokens
+        self._requests.append({
+            "id": rid, "arrival_step": self.session.step, "num_prompt_tokens": n_prompt,
+            # Packed now, while vLLM has just read (hashed) these tokens and they
+            # are still in the CPU cache: later the same packing costs 2-3x more.
+            "prompt_tokens": pack_tokens(prompt), "output_len": request.max_tokens,
+            "cache_salt": request.cache_salt, "lora_name": lora.lora_name if lora else None,
+            "arrival_order": self._order}, weight=1 + n_prompt)
         self._order += 1
         self.session.add_boundaries(rid, request.block_hashes)
 
@@ -121,11 +127,10 @@ class SchedulerRecorder:
         return acc
 
     def finished(self, request: Any) -> None:
-        """A request vLLM frees (or one still live at shutdown): its row, now complete."""
-        entry = self._live.pop(request.request_id, None)
-        if entry is None:
+        """A request vLLM frees: its output, now known."""
+        max_tokens = self._live.pop(request.request_id, None)
+        if max_tokens is None:
             return
-        arrival, order, prompt, salt, lora, max_tokens = entry
         out = pack_tokens(request.output_token_ids)
         n_out = len(out) >> 2
         if self.external_finish or n_out == 0 or request.status == RequestStatus.FINISHED_ABORTED:
@@ -133,12 +138,8 @@ class SchedulerRecorder:
             pad = max(int(max_tokens), n_out, 1) - n_out
             out += bytes(4 * pad)
             n_out += pad
-        n_prompt = len(prompt) >> 2
-        self._requests.append({
-            "id": request.request_id, "arrival_step": arrival, "num_prompt_tokens": n_prompt,
-            "prompt_tokens": prompt, "output_len": n_out, "output_tokens": out,
-            "cache_salt": salt, "lora_name": lora, "arrival_order": order},
-            weight=1 + n_prompt + n_out)
+        self._finishes.append({"id": request.request_id, "output_len": n_out,
+                               "output_tokens": out}, weight=1 + n_out)
 
     def aborted(self, requests: list[Any]) -> None:
         for req in requests:
@@ -150,25 +151,10 @@ class SchedulerRecorder:
             self._events.append({"after": None, "at_step": self.session.step,
                                  "action": "reset_prefix_cache", "target": None})
 
-    def close(self, requests: dict[str, Any]) -> None:
-        """Rows of requests still live (``requests``: the scheduler's), then the last flush."""
-        self.external_finish = True
-        for rid in list(self._live):
-            req = requests.get(rid)
-            if req is None:
-                req = _Gone(rid)
-            self.finished(req)
+    def close(self) -> None:
+        """The last flush. Requests still running get no finish row: the reader
+        ends them where the recording ended, as after a kill."""
         self.session.close()
-
-
-class _Gone:
-    """A live request the scheduler no longer holds at shutdown: no output known."""
-
-    status = None
-    output_token_ids: tuple = ()
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
 
 
 class _Recording:
@@ -229,7 +215,7 @@ class _Recording:
             super().shutdown()
         finally:
             if self._recorder is not None:
-                self._recorder.close(self.requests)
+                self._recorder.close()
 
 
 class RecordingScheduler(_Recording, Scheduler):

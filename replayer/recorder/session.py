@@ -22,6 +22,9 @@ from traces import schema
 from traces.writer import PartWriter
 
 RECORD_ENV = "PREFIX_REPLAYER_RECORD_DIR"
+# Seconds a row may wait in memory before its part is written: what a kill
+# can lose (default traces.writer.DEFAULT_MAX_SECONDS).
+FLUSH_ENV = "PREFIX_REPLAYER_RECORD_FLUSH_SECONDS"
 CONFIG_KEY = "recorder_dir"
 # Block hash -> (boundary, request) entries kept for the store's boundary
 # column; past this many, keys of new prefixes record a null boundary.
@@ -36,6 +39,19 @@ def record_dir(vllm_config: Any = None) -> str | None:
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(ktc, "kv_connector_extra_config", None) or {}
     return extra.get(CONFIG_KEY) or os.environ.get(RECORD_ENV) or None
+
+
+def writer_options() -> dict[str, Any]:
+    raw = os.environ.get(FLUSH_ENV)
+    if not raw:
+        return {}
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{FLUSH_ENV}={raw!r}: expected seconds, e.g. 2.5") from None
+    if not seconds > 0:
+        raise ValueError(f"{FLUSH_ENV}={raw!r}: must be above 0")
+    return {"max_seconds": seconds}
 
 
 def write_header(out: Path, header: dict[str, Any]) -> None:
@@ -53,8 +69,10 @@ class SchedulerSession:
 
     def __init__(self, out: str, **writer_opts: Any) -> None:
         self.out = Path(out)
-        self.writers = {name: PartWriter(self.out, schema.TABLES[name], 0, **writer_opts)
-                        for name in ("requests", "steps", "outcomes", "events")}
+        writer_opts = {**writer_options(), **writer_opts}
+        tables = [schema.TABLES[name] for name in ("requests", "steps", "outcomes", "events")]
+        self.writers = {t.name: PartWriter(self.out, t, 0, **writer_opts)
+                        for t in tables + [schema.FINISHES]}
         self.step = 0
         self.hash_block_size = 1
         self.boundaries: dict[str, tuple[int, str]] | None = None   # on with a connector
@@ -91,6 +109,7 @@ class StoreSession:
 
     def __init__(self, out: str, rank: int, **writer_opts: Any) -> None:
         self.out = out
+        writer_opts = {**writer_options(), **writer_opts}
         self.writer = PartWriter(out, schema.STORE_OPS, rank, **writer_opts)
         atexit.register(self.close)
 

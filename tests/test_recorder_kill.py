@@ -1,0 +1,75 @@
+"""A recording killed with SIGKILL mid-run: every request that had arrived by the
+last flush is in the trace, the ones still running end where the recording
+ended, and the replay reproduces what was recorded before the kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from traces import load_target
+from traces.trace import read_trace
+
+from helpers_traces import REPO
+
+SOURCE = REPO / "fixtures" / "traces" / "conversation_500"
+RECORD = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {repo!r})
+    from traces import load_target
+    from replayer import fidelity
+    fidelity.record_replay(load_target({src!r}), {out!r})
+""")
+
+
+def _parts(folder):
+    return list(folder.glob("part-*.parquet")) if folder.is_dir() else []
+
+
+def test_kill_9_mid_recording_keeps_running_requests_and_replays(tmp_path):
+    out = tmp_path / "rec"
+    env = {**os.environ, "PREFIX_REPLAYER_RECORD_FLUSH_SECONDS": "0.3",
+           "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONHASHSEED": "0"}
+    proc = subprocess.Popen([sys.executable, "-c",
+                             RECORD.format(repo=str(REPO), src=str(SOURCE), out=str(out))],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while len(_parts(out / "finishes")) < 4 or len(_parts(out / "outcomes")) < 4:
+            if proc.poll() is not None:
+                raise AssertionError(f"recording ended before the kill: {proc.stderr.read()}")
+            assert time.monotonic() < deadline, "no parts written within 300 s"
+            time.sleep(0.05)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    trace = read_trace(out)
+    source = load_target(SOURCE)
+    n = trace.requests.num_rows
+    assert 0 < n < source.requests.num_rows
+    # Arrivals are written in order: the recorded ones are the source's first n.
+    assert trace.requests["id"].to_pylist() == source.requests["id"].to_pylist()[:n]
+    running = [e["target"] for e in trace.events.to_pylist() if e["action"] == "abort"]
+    assert running, "the kill left no request running"
+    assert any("still running when the recording ended" in note for note in trace.notes)
+
+    from replayer.replay import replay
+
+    replayed = {r["id"]: r for r in replay(trace).requests}
+    assert set(replayed) == set(trace.requests["id"].to_pylist())
+    # A request first scheduled before the last recorded arrival cannot have been
+    # influenced by a request the kill lost: its recorded outcome must replay.
+    last_arrival = max(trace.requests["arrival_step"].to_pylist())
+    first_step: dict[str, int] = {}
+    for row in trace.steps.to_pylist():
+        first_step.setdefault(row["id"], row["step"])
+    compared = 0
+    for row in trace.outcomes.to_pylist():
+        if first_step.get(row["id"], last_arrival) < last_arrival:
+            assert replayed[row["id"]]["num_cached_tokens"] == row["num_cached_tokens"], row
+            compared += 1
+    assert compared >= 10
