@@ -186,3 +186,14 @@ def test_finishes_fold_into_requests_and_running_ones_end_with_the_recording(tmp
     proc = cli("info", out)
     assert proc.returncode == 0, proc.stderr
     assert "note: 2 request(s) still running when the recording ended" in proc.stdout
+
+
+def test_recording_on_an_unsupported_vllm_is_refused_in_one_line():
+    from replayer.recorder.session import check_release
+
+    check_release("0.33.0")
+    check_release("0.33.1.dev4+g1234abc")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0 is not supported \(it hooks 0\.33\.x\)"):
+        check_release("0.34.0")
+    with pytest.raises(RuntimeError, match="unset PREFIX_REPLAYER_RECORD_DIR"):
+        check_release("0.3.3")

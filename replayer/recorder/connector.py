@@ -25,7 +25,7 @@ import threading
 from typing import Any
 
 from ..store.recording import key_group, key_hash
-from .session import StoreSession, record_dir, scheduler_session
+from .session import StoreSession, check_release, record_dir, scheduler_session
 
 _CLASSES: dict[str, type] = {}
 
@@ -110,6 +110,9 @@ class RecordingConnectorMixin:
         out = record_dir(vllm_config)
         worker = getattr(self, "connector_worker", None)
         if out and worker is not None and getattr(worker, "store", None) is not None:
+            import vllm
+
+            check_release(vllm.__version__)
             rank = _rank()
             self._rec_session = StoreSession(out, rank)
             self._rec_store = StoreOpRecorder(worker.store, self._rec_session, rank, out)

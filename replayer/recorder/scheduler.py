@@ -35,13 +35,16 @@ from vllm.v1.request import RequestStatus
 from traces.writer import pack_tokens
 
 from .header import recorded_header
-from .session import SchedulerSession, record_dir, write_header
+from .session import SchedulerSession, check_release, record_dir, write_header
 
 
 class SchedulerRecorder:
     """Turns scheduler calls into rows; holds only requests still alive."""
 
     def __init__(self, out: str, vllm_config: Any, kv_cache_config: Any) -> None:
+        import vllm
+
+        check_release(vllm.__version__)
         self.session = SchedulerSession(out)
         write_header(self.session.out, recorded_header(vllm_config, kv_cache_config))
         self.session.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0)
