@@ -191,7 +191,8 @@ def replay(trace: Trace, engine_spec: Any = "installed",
         engine.add_request(EngineRequest(
             id=rid, prompt_tokens=prompt.tolist(),
             output_tokens=tokens.output(i, rows.output_len[i], n_spec + 1).tolist(),
-            output_len=rows.output_len[i], cache_salt=rows.cache_salt[i]))
+            output_len=rows.output_len[i], cache_salt=rows.cache_salt[i],
+            priority=rows.priority[i] or 0))
         order.append(i)
         results[i] = {"id": rid, "arrival_step": clock, "num_prompt_tokens": len(prompt),
                       "num_cached_tokens": None, "num_local_cached_tokens": None,

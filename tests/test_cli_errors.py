@@ -92,6 +92,12 @@ SCENARIO_CASES = {
     "no_requests": (
         "engine: {block_size: 16}\n",
         ["requests must be a non-empty list"]),
+    "unknown_scheduling_policy": (
+        "engine: {scheduling_policy: lifo}\nrequests:\n" + OK_REQ,
+        ["engine.scheduling_policy 'lifo': expected one of fcfs, priority"]),
+    "priority_not_an_integer": (
+        "requests:\n  - {id: a, prompt: {stream: s, len: 10}, priority: high}\n",
+        ["requests[0].priority must be an integer"]),
 }
 
 

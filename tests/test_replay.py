@@ -56,6 +56,19 @@ def test_vllm51295_pair_hits_24448_on_033(replay, turn1):
     assert [x["id"] for x in result.requests] == ["turn1", "turn2"]
 
 
+def test_priority_policy_decides_who_hits_the_shared_prefix(replay):
+    """The recorded policy and priorities matter: fcfs hands the hit to the other request."""
+    from dataclasses import replace
+
+    trace = load_target(SCENARIOS / "priority_scheduling.yaml")
+    hits = {r["id"]: r["num_cached_tokens"] for r in replay(trace).requests}
+    assert hits == {"long": 0, "b": 64, "c": 0}
+    fcfs = replace(trace, header={**trace.header,
+                                  "engine": {**trace.engine, "scheduling_policy": "fcfs"}})
+    hits = {r["id"]: r["num_cached_tokens"] for r in replay(fcfs).requests}
+    assert hits == {"long": 0, "b": 0, "c": 64}
+
+
 def test_lookahead_hashes_turn_the_eagle_drop_off(replay):
     """Same geometry, drop inactive: the hit lands on a whole block boundary."""
     r = by_id(replay(load_target(SCENARIOS / "pmu_below_block_no_drop.yaml")))

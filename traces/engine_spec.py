@@ -32,6 +32,7 @@ ENGINE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
     "enable_chunked_prefill": ((bool,), "SchedulerConfig flag (default true)"),
     "long_prefill_token_threshold": ((int,), "SchedulerConfig field"),
     "async_scheduling": ((bool,), "SchedulerConfig flag (default false here)"),
+    "scheduling_policy": ((str,), "SchedulerConfig.policy: fcfs (default) or priority"),
     "vocab_size": ((int,), "vocabulary of the synthetic tokens (default 32000)"),
     "connector": ((str, type(None)), "KV connector: mooncake_store (omitted: none)"),
     "connector_config": ((dict,), "the connector's extra config, by vLLM's names"),
@@ -42,6 +43,7 @@ CONNECTORS = ("mooncake_store",)
 CONNECTOR_CONFIG_KEYS = ("load_async", "lookup_async", "save_decode_cache", "enable_lookup",
                          "cache_prefix", "enable_group_semantics")
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "disable_lookahead_block_hashes")
 SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp")
 GROUP_KEYS = ("kind", "block_size", "sliding_window")
@@ -80,6 +82,9 @@ def validate_engine(where: str, engine: Any) -> dict[str, Any]:
     if out.get("connector") is not None and out["connector"] not in CONNECTORS:
         raise TraceError(where, f"engine.connector {out['connector']!r} is not supported "
                                 f"(known: {', '.join(CONNECTORS)})")
+    if out.get("scheduling_policy", "fcfs") not in SCHEDULING_POLICIES:
+        raise TraceError(where, f"engine.scheduling_policy {out['scheduling_policy']!r}: "
+                                f"expected one of {', '.join(SCHEDULING_POLICIES)}")
     if "connector_config" in out and not out.get("connector"):
         raise TraceError(where, "engine.connector_config needs engine.connector")
     for k, v in (out.get("connector_config") or {}).items():

@@ -42,6 +42,7 @@ class RequestRows:
     output_len: list[int]
     cache_salt: list[str | None]
     lora_name: list[str | None]
+    priority: list[int | None]
 
 
 class TokenSource:
@@ -84,4 +85,4 @@ def request_rows(requests: pa.Table) -> RequestRows:
     return RequestRows(
         ids=col("id"), arrival_step=col("arrival_step"), after=col("after"),
         num_prompt_tokens=col("num_prompt_tokens"), output_len=col("output_len"),
-        cache_salt=col("cache_salt"), lora_name=col("lora_name"))
+        cache_salt=col("cache_salt"), lora_name=col("lora_name"), priority=col("priority"))

@@ -23,7 +23,8 @@ from .trace import Trace
 from .validate import validate_trace
 
 TOP_KEYS = ("engine", "requests", "events", "expect", "expect_store", "description")
-REQUEST_KEYS = ("id", "prompt", "output_len", "after", "arrival_step", "cache_salt")
+REQUEST_KEYS = ("id", "prompt", "output_len", "after", "arrival_step", "cache_salt",
+                "priority")
 SPAN_KEYS = ("stream", "start", "len")
 EVENT_KEYS = ("after", "at_step", "action", "target")
 
@@ -96,7 +97,7 @@ def compile_scenario(path: str | Path) -> Trace:
         raise TraceError(path, "requests must be a non-empty list")
     cols: dict[str, list[Any]] = {k: [] for k in (
         "id", "arrival_step", "after", "num_prompt_tokens", "prompt_tokens", "output_len",
-        "cache_salt")}
+        "cache_salt", "priority")}
     for i, req in enumerate(reqs):
         where = f"requests[{i}]"
         if not isinstance(req, dict):
@@ -123,6 +124,10 @@ def compile_scenario(path: str | Path) -> Trace:
         if salt is not None and not isinstance(salt, str):
             raise TraceError(path, f"{where}.cache_salt must be a string")
         cols["cache_salt"].append(salt)
+        priority = req.get("priority")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise TraceError(path, f"{where}.priority must be an integer")
+        cols["priority"].append(priority)
     spec = schema.REQUESTS
     arrays = {}
     for name, values in cols.items():

@@ -56,6 +56,9 @@ REQUESTS = Table("requests", (
     Column("output_tokens", pa.list_(pa.int32()), required=False, nullable=True),
     Column("cache_salt", pa.string(), required=False, nullable=True),
     Column("lora_name", pa.string(), required=False, nullable=True),
+    Column("priority", pa.int64(), required=False, nullable=True,
+           doc="scheduling priority (lower runs first) under engine.scheduling_policy "
+               "priority; null: 0"),
     Column("arrival_order", pa.int64(), required=False, nullable=True,
            doc="recorded traces: order of arrival (the reader sorts by it)"),
 ), required=True)

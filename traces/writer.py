@@ -58,7 +58,8 @@ _SEQUENCES = (list, tuple, type({}.keys()), type({}.values()))
 # ``finishes``); the imported and anonymised forms (after, arrival_ms,
 # prompt_block_ids) stay out of recorded parts.
 RECORDED_COLUMNS = {"requests": ("id", "arrival_step", "num_prompt_tokens", "prompt_tokens",
-                                 "output_len", "cache_salt", "lora_name", "arrival_order")}
+                                 "output_len", "cache_salt", "lora_name", "priority",
+                                 "arrival_order")}
 
 
 def pack_tokens(tokens) -> bytes:

@@ -22,6 +22,7 @@ class EngineRequest:
     output_tokens: list[int]
     output_len: int
     cache_salt: str | None = None
+    priority: int = 0               # under scheduling_policy: priority (lower first)
 
 
 @dataclass(frozen=True)

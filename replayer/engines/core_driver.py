@@ -167,6 +167,8 @@ def scheduler_kwargs(engine: dict[str, Any], max_model_len: int) -> dict[str, An
     out: dict[str, Any] = {"max_model_len": max_model_len, "is_encoder_decoder": False,
                            "async_scheduling": False}
     out.update({k: engine[k] for k in SCHEDULER_KEYS if k in engine})
+    if "scheduling_policy" in engine:
+        out["policy"] = engine["scheduling_policy"]
     return out
 
 
@@ -322,7 +324,7 @@ class CoreEngine:
         ecr = EngineCoreRequest(
             request_id=request.id, prompt_token_ids=request.prompt_tokens, mm_features=None,
             sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
-            cache_salt=request.cache_salt, data_parallel_rank=None)
+            cache_salt=request.cache_salt, data_parallel_rank=None, priority=request.priority)
         req, wave = self.core.preprocess_add_request(ecr)
         self._on_preprocessed(req, request)
         self.core.add_request(req, wave)

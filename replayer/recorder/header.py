@@ -53,6 +53,8 @@ def engine_block(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         "enable_chunked_prefill": bool(sched.enable_chunked_prefill),
         "async_scheduling": bool(sched.async_scheduling),
     }
+    if str(sched.policy) != "fcfs":
+        engine["scheduling_policy"] = str(sched.policy)
     if getattr(cache, "prefix_match_unit", None):
         engine["prefix_match_unit"] = int(cache.prefix_match_unit)
     if getattr(sched, "long_prefill_token_threshold", 0):

@@ -80,7 +80,8 @@ class SchedulerRecorder:
             # are still in the CPU cache: later the same packing costs 2-3x more.
             "prompt_tokens": pack_tokens(prompt), "output_len": request.max_tokens,
             "cache_salt": request.cache_salt, "lora_name": lora.lora_name if lora else None,
-            "arrival_order": self._order}, weight=1 + n_prompt)
+            "priority": request.priority or None, "arrival_order": self._order},
+            weight=1 + n_prompt)
         self._order += 1
         self.session.add_boundaries(rid, request.block_hashes)
 
