@@ -21,6 +21,12 @@ from .codes import StoreError
 
 READY_TIMEOUT_S = 10.0
 REACH_TIMEOUT_S = 5.0
+# Mooncake evicts from a full pool once objects' leases lapse and its eviction
+# thread runs: wall-clock timing, so the same replay could evict on a slow
+# machine and not on a fast one. The master the replayer starts never evicts:
+# a pool too small fails the replay with NO_AVAILABLE_HANDLE, the same way
+# every time (--store memory --store-capacity evicts oldest-first, by step).
+NO_EVICTION = ("--eviction_high_watermark_ratio=1.0", "--eviction_ratio=0")
 
 
 def free_port() -> int:
@@ -64,7 +70,8 @@ class MasterProcess:
                                                delete=False)
         self.proc = subprocess.Popen(
             [master_binary(), f"--rpc_address={self.host}", f"--rpc_port={self.port}",
-             f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}"],
+             f"--metrics_host={self.host}", f"--metrics_port={self.metrics_port}",
+             *NO_EVICTION],
             stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)
         try:
