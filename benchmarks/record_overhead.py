@@ -5,10 +5,11 @@ vLLM's EngineCore twice per round, in fresh processes: plain, and with the
 recorder installed (the same scheduler subclass ``vllm serve`` loads). It
 prints the seconds spent inside ``EngineCore.step`` (schedule, the null
 model, update_from_output: the engine core's step time) as wall time and as
-the engine thread's CPU time (steady where wall time swings with whatever
-else the machine runs), the writer thread's GIL-holding time (the part of
-its work that could delay a step), peak RSS of each, the recorded trace's size on disk per request and
-per store operation (from a MooncakeStore fixture), and whether the
+the engine thread's CPU time, the recorder's own time inside and outside
+step (steady where both A/B figures swing with whatever else the machine
+runs), the writer thread's GIL-holding time (the part of its work that
+could delay a step), peak RSS of each, the recorded trace's size on disk
+per request and per store operation (from a MooncakeStore fixture), and whether the
 recording replays to the same outcomes, schedule and keys (the 1,000-request
 round trip).
 

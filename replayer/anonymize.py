@@ -56,8 +56,9 @@ def default_unit(engine: dict) -> int:
     sizes += [int(g["block_size"]) for g in engine["kv_groups"] if "block_size" in g]
     if engine.get("prefix_match_unit"):
         sizes.append(int(engine["prefix_match_unit"]))
-    if lookahead_tokens(engine):
-        sizes.append(lookahead_tokens(engine))
+    ahead = lookahead_tokens(engine)
+    if ahead:
+        sizes.append(ahead)
     return reduce(gcd, sizes)
 
 

@@ -197,3 +197,15 @@ def test_recording_on_an_unsupported_vllm_is_refused_in_one_line():
         check_release("0.34.0")
     with pytest.raises(RuntimeError, match="unset PREFIX_REPLAYER_RECORD_DIR"):
         check_release("0.3.3")
+
+
+@pytest.mark.parametrize("raw, needle", [("soon", "expected seconds, e.g. 2.5"),
+                                         ("0", "must be above 0"), ("-1", "must be above 0")])
+def test_a_bad_flush_interval_is_refused_naming_the_variable(monkeypatch, raw, needle):
+    from replayer.recorder.session import FLUSH_ENV, writer_options
+
+    monkeypatch.setenv(FLUSH_ENV, raw)
+    with pytest.raises(ValueError, match=f"PREFIX_REPLAYER_RECORD_FLUSH_SECONDS='{raw}': {needle}"):
+        writer_options()
+    monkeypatch.setenv(FLUSH_ENV, "0.5")
+    assert writer_options() == {"max_seconds": 0.5}

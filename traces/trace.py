@@ -159,13 +159,14 @@ def _sorted_by_arrival(table: pa.Table | None) -> pa.Table | None:
 
 
 def _fold_finishes(root: Path, requests: pa.Table, finishes: pa.Table | None,
-                   tables: dict[str, pa.Table | None], notes: list[str]) -> pa.Table:
+                   steps: pa.Table | None, events: pa.Table | None,
+                   notes: list[str]) -> tuple[pa.Table, pa.Table | None]:
     """Outputs of finished requests into their rows; the rest stopped with the recording.
 
     A request with no finish row was still running when the recording ended
     (shutdown or kill): it keeps ``output_len`` = its ``max_tokens`` and gets
     an ``abort`` event just after the last recorded step, so the replay stops
-    it where the recording stopped.
+    it where the recording stopped. Returns the requests and the events.
     """
     ids = requests["id"].to_pylist()
     index = {rid: i for i, rid in enumerate(ids)}
@@ -188,14 +189,12 @@ def _fold_finishes(root: Path, requests: pa.Table, finishes: pa.Table | None,
     if running:
         # The recording ended after its last step and its last arrival (a kill
         # loses each table's last unflushed rows, not necessarily the same ones).
-        steps = tables.get("steps")
         last = max(pc.max(steps["step"]).as_py() if steps is not None and steps.num_rows else 0,
                    pc.max(requests["arrival_step"]).as_py() or 0)
-        events = tables.get("events")
         extra = pa.Table.from_pylist(
             [{"after": None, "at_step": last + 1, "action": "abort", "target": rid}
              for rid in running], schema=schema.EVENTS.arrow_schema())
-        tables["events"] = extra if events is None else pa.concat_tables(
+        events = extra if events is None else pa.concat_tables(
             [events, extra.select(events.column_names).cast(events.schema)])
         notes.append(f"{len(running)} request(s) still running when the recording ended: "
                      f"aborted before step {last + 1} in the replay")
@@ -207,7 +206,7 @@ def _fold_finishes(root: Path, requests: pa.Table, finishes: pa.Table | None,
             requests = requests.set_column(requests.column_names.index(name), field_, arr)
         else:
             requests = requests.append_column(field_, arr)
-    return requests
+    return requests, events
 
 
 def read_trace(trace_dir: str | os.PathLike) -> Trace:
@@ -238,7 +237,8 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
     if (root / schema.FINISHES.name).is_dir():
         got = read_parts(root / schema.FINISHES.name, schema.FINISHES, _read_table)
         skipped += got.skipped
-        tables["requests"] = _fold_finishes(root, tables["requests"], got.table, tables, notes)
+        tables["requests"], tables["events"] = _fold_finishes(
+            root, tables["requests"], got.table, tables["steps"], tables["events"], notes)
     goldens: Goldens = {}
     store_gold: dict[str, Any] = {}
     gdir = root / schema.GOLDEN_DIR

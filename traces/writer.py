@@ -105,11 +105,11 @@ def write_part(folder: Path, table: pa.Table, rank: int, seq: int) -> Path:
 class PartWriter:
     """Buffered rows of one table, flushed as whole parts every N rows or T seconds.
 
-    ``append`` (one row) and ``extend`` (a batch of rows, column-wise) are all
-    the engine's thread does: the batch is kept as given and turned into
-    columns on the writer thread. ``weight`` lets a row count for its list
-    lengths (a prompt's tokens), so the buffer is bounded in elements, not
-    only rows.
+    ``append`` (one row) and ``extend`` (a batch of rows, column-wise) add to
+    the column lists under a lock; building Arrow arrays, encoding and disk
+    writes happen on the writer thread. ``weight`` lets a row count for its
+    list lengths (a prompt's tokens), so the buffer is bounded in elements,
+    not only rows.
     """
 
     def __init__(self, trace_dir: str | os.PathLike, spec: schema.Table, rank: int = 0,
