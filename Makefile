@@ -26,8 +26,8 @@ serve-venv: $(SERVE_STAMP)
 demo: $(STAMP)
 	$(BIN)/replayer check fixtures/scenarios/vllm51295_turn1_24577.yaml
 
-# The test suite CI runs.
-test: $(STAMP)
+# The test suite CI runs (the live-server tests need .venv-serve too).
+test: $(STAMP) $(SERVE_STAMP)
 	PY=$(BIN)/python scripts/run-tests.sh
 
 bench: $(STAMP)
