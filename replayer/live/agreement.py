@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from traces.outcome import RequestOutcome
 from traces.trace import read_trace
 
 from ..report import explain_gap, explain_groups
@@ -69,9 +70,8 @@ def agree(trace_dir: Path, engine: str = "vllm==0.32.0") -> Agreement:
     client = read_client(trace_dir)
     recorded = {r["id"]: r for r in trace.outcomes.to_pylist()} if trace.outcomes else {}
     replay = replay_json(trace_dir, engine)
-    replayed = {r["id"]: r for r in replay["requests"]}
+    replayed = {r["id"]: RequestOutcome(**r) for r in replay["requests"]}
     groups = replay.get("kv_groups")
-    engine_block = trace.header.get("engine", {})
     result = Agreement(engine=engine)
     names = {client_name(rid): rid for rid in trace.requests.column("id").to_pylist()}
     for name in sorted(set(names) | set(client)):
@@ -79,13 +79,13 @@ def agree(trace_dir: Path, engine: str = "vllm==0.32.0") -> Agreement:
         rid = names.get(name)
         c = client.get(name, {}).get("cached_tokens")
         o = recorded.get(rid, {}).get("num_cached_tokens") if rid else None
-        r = replayed.get(rid, {}).get("num_cached_tokens") if rid else None
+        r = replayed[rid].num_cached_tokens if rid in replayed else None
         if c is not None and c == o == r:
             result.agreeing += 1
             continue
         line = f"{name} ({rid or 'not in the trace'}): client {c}, recorder {o}, replay {r}"
         if isinstance(o, int) and isinstance(r, int) and o != r:
-            line += f"; replay {explain_gap(o, r, engine_block)}"
+            line += f"; replay {explain_gap(o, r, trace.engine)}"
         why = explain_groups(replayed.get(rid), groups)
         if why:
             line += f"; {why}"
