@@ -36,9 +36,11 @@ def _eagle_args() -> tuple[str, ...]:
 
 CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
     ServeConfig("llama", MODELS / "tiny-llama",
-                ("--block-size", "32", "--num-gpu-blocks-override", "400"),
+                ("--block-size", "32", "--num-gpu-blocks-override", "3000"),
                 max_model_len=4096, tokens_per_block=32, max_prompt=4092, requests=250,
-                doc="full attention (2 layers), block 32, 400 blocks (12,800 tokens): evicts"),
+                doc="full attention (2 layers), block 32, 3,000 blocks (96,000 tokens): the "
+                    "stream's conversations come back after more than that, so some "
+                    "evicted, some hit"),
     ServeConfig("eagle", MODELS / "tiny-llama",
                 ("--block-size", "32", "--num-gpu-blocks-override", "400") + _eagle_args(),
                 max_model_len=4096, tokens_per_block=64, max_prompt=4088, requests=100,

