@@ -26,6 +26,8 @@ LIVE = {name: REPO / "fixtures" / "traces" / f"live_{name}"
 
 
 def cli(*args: object, timeout: float = 900) -> subprocess.CompletedProcess:
+    args = [a.relative_to(REPO) if isinstance(a, Path) and a.is_relative_to(REPO) else a
+            for a in args]
     return subprocess.run([sys.executable, "-m", "replayer", *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -59,14 +61,26 @@ def test_what_the_client_was_told_is_what_the_recorder_wrote(name):
         outcomes[n]["num_prompt_tokens"] for n in client]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LIVE))
-def test_the_cpu_replay_on_0320_agrees_with_client_and_recorder(name):
-    from replayer.live.agreement import agree
+def test_the_0320_golden_is_what_the_recorder_wrote(name):
+    """The goldens for vllm==0.32.0 hold the recorded outcomes, request for request."""
+    trace = read_trace(LIVE[name])
+    recorded = {r["id"]: r["num_cached_tokens"] for r in trace.outcomes.to_pylist()}
+    golden = {r["id"]: r["num_cached_tokens"] for r in
+              pq.read_table(LIVE[name] / "golden" / "vllm-0.32.0.parquet").to_pylist()}
+    assert golden == recorded
 
-    result = agree(LIVE[name], "vllm==0.32.0")
-    assert result.lines == []
-    assert result.agreeing == result.requests == read_trace(LIVE[name]).requests.num_rows
+
+@pytest.mark.slow
+def test_the_cpu_replay_on_0320_matches_the_goldens_so_all_three_agree():
+    """client == recorder and recorder == golden above; here the replay == golden:
+    the three-way agreement on every request, in one engine process."""
+    proc = cli("check", "--engine", "vllm==0.32.0", *LIVE.values())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name, path in LIVE.items():
+        n = read_trace(path).requests.num_rows
+        assert (f"PASS {path.relative_to(REPO)}: {n} request(s) match the goldens for "
+                "vllm==0.32.0 (engine vllm==0.32.0)") in proc.stdout
 
 
 def test_the_llama_recording_is_a_concurrent_stream_that_evicted(tmp_path):
