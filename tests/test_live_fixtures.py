@@ -11,25 +11,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO, TRACES, cli
 
 from traces.trace import read_trace
 
-REPO = Path(__file__).resolve().parents[1]
-LIVE = {name: REPO / "fixtures" / "traces" / f"live_{name}"
-        for name in ("llama", "eagle", "qwen3_next")}
-
-
-def cli(*args: object, timeout: float = 900) -> subprocess.CompletedProcess:
-    args = [a.relative_to(REPO) if isinstance(a, Path) and a.is_relative_to(REPO) else a
-            for a in args]
-    return subprocess.run([sys.executable, "-m", "replayer", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+LIVE = {name: TRACES / f"live_{name}" for name in ("llama", "eagle", "qwen3_next")}
 
 
 def client_rows(path: Path) -> dict[str, dict]:
@@ -75,7 +65,8 @@ def test_the_0320_golden_is_what_the_recorder_wrote(name):
 def test_the_cpu_replay_on_0320_matches_the_goldens_so_all_three_agree():
     """client == recorder and recorder == golden above; here the replay == golden:
     the three-way agreement on every request, in one engine process."""
-    proc = cli("check", "--engine", "vllm==0.32.0", *LIVE.values())
+    proc = cli("check", "--engine", "vllm==0.32.0", *(p.relative_to(REPO) for p in LIVE.values()),
+               timeout=1200)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name, path in LIVE.items():
         n = read_trace(path).requests.num_rows
@@ -98,7 +89,7 @@ def test_the_llama_recording_is_a_concurrent_stream_that_evicted(tmp_path):
     header = json.loads((big / "header.json").read_text())
     header["engine"]["num_gpu_blocks"] *= 100
     (big / "header.json").write_text(json.dumps(header))
-    proc = cli("run", big, "--json", tmp_path / "big.json")
+    proc = cli("run", big, "--json", tmp_path / "big.json", timeout=900)
     assert proc.returncode == 0, proc.stderr
     unbounded = json.loads((tmp_path / "big.json").read_text())["summary"]["cached_tokens"]
     assert unbounded > recorded

@@ -3,7 +3,7 @@
 For each served configuration: record a stream live, then require, for every
 request, that the cached tokens the server told the client, the recorder's
 outcome and the CPU replay on ``vllm==0.32.0`` are equal, and that
-``check --against recorded`` (the installed vLLM) reproduces outcomes and
+``check --against recorded --engine vllm==0.32.0`` reproduces outcomes and
 schedule. In CI (CI=true) a server that cannot start FAILS these tests;
 elsewhere a missing .venv-serve skips them (build it with `make serve-venv`).
 scripts/run-tests.sh runs them inside a private network namespace.
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO
 
 from traces.trace import read_trace
 
-REPO = Path(__file__).resolve().parents[1]
 SERVE_VENV = REPO / ".venv-serve"
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -31,11 +31,6 @@ pytestmark = pytest.mark.live_server
 # Fewer requests than the committed fixtures (fixtures/traces/live_*): the
 # same configurations, sized so the three take a few minutes here.
 STREAMS = {"llama": 120, "eagle": 40, "qwen3-next": 20}
-# Open finding: on the Qwen3-Next hybrid (align mode, block 256) the server
-# splits a 1,024-token prefill 896 + 128 where the replay (0.32 and 0.33)
-# splits it 768 + 256; every request's hit still agrees. Until the cause is
-# found, check --against recorded may differ there in the steps table only.
-STEPS_DIFFER = {"qwen3-next"}
 
 
 def run(*args: object, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -83,14 +78,8 @@ def test_live_recording_agrees_three_ways_on_every_request(serve_venv, tmp_path,
     fidelity = run("-m", "replayer", "check", "--against", "recorded", "--engine",
                    "vllm==0.32.0", out)
     print(fidelity.stdout)
-    if config in STEPS_DIFFER:
-        # Outcomes match; the schedule does not (see STEPS_DIFFER).
-        assert fidelity.returncode == 1, fidelity.stdout + fidelity.stderr
-        diffs = [ln.strip() for ln in fidelity.stdout.splitlines()[1:]]
-        assert diffs and all(d.startswith("steps: ") for d in diffs), fidelity.stdout
-    else:
-        assert fidelity.returncode == 0, fidelity.stdout + fidelity.stderr
-        assert f"replay matches the recording: {n} outcome(s)" in fidelity.stdout
+    assert fidelity.returncode == 0, fidelity.stdout + fidelity.stderr
+    assert f"replay matches the recording: {n} outcome(s)" in fidelity.stdout
 
 
 def test_a_server_that_cannot_start_fails_in_one_line_with_its_log_tail(serve_venv, tmp_path):

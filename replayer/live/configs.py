@@ -47,7 +47,12 @@ CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
                 doc="Llama with an EAGLE draft of 1 layer, 2 speculative tokens; a hash id "
                     "is 2 blocks, so the shared first one survives the EAGLE drop"),
     ServeConfig("qwen3-next", MODELS / "tiny-qwen3-next",
-                ("--mamba-cache-mode", "align"),
+                # --block-size 256 given, not left to vLLM: the CPU platform's
+                # default (128) comes back when EngineCoreProc re-runs
+                # VllmConfig.__post_init__ after its handshake, after the
+                # scheduler was built with the hybrid's 256, and the align-mode
+                # split then cuts prefills on 128-token boundaries (896 + 128).
+                ("--mamba-cache-mode", "align", "--block-size", "256"),
                 max_model_len=2048, tokens_per_block=256, max_prompt=1024, requests=40,
                 doc="Qwen3-Next hybrid (3 GDN layers + 1 full attention, MoE), bf16, align "
                     "mode, block 256: every prompt shares its first block"),
