@@ -14,8 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
-# CI clones the repo beside a copy of shared/, as on a developer machine.
-MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+# The first 500 lines of the public Mooncake conversation trace, kept in the repo
+# so that a clone alone runs the tests (fixtures/mooncake/README.md says whence).
+MOONCAKE_TRACE = REPO / "fixtures" / "mooncake" / "conversation_trace_head500.jsonl"
 
 # A small scenario touching every scenario feature that compiles to a table:
 # several spans, after/arrival_step, cache_salt, events and goldens.

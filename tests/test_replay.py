@@ -19,7 +19,7 @@ from traces.trace import read_trace, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = REPO / "fixtures" / "scenarios"
-CONVERSATION = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+CONVERSATION = REPO / "fixtures" / "mooncake" / "conversation_trace_head500.jsonl"
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600):
