@@ -174,7 +174,7 @@ def fake_wheel(folder: Path, version: str) -> Path:
     return path
 
 
-def test_release_cache_starts_from_nothing(tmp_path, monkeypatch):
+def test_release_cache_starts_from_nothing(tmp_path, monkeypatch, capsys):
     cache = tmp_path / "not" / "yet" / "there"
     wheels = tmp_path / "index"
     fake_wheel(wheels, "0.29.0")
@@ -186,6 +186,11 @@ def test_release_cache_starts_from_nothing(tmp_path, monkeypatch):
     pkg = cache / "releases" / "vllm-0.29.0" / "vllm"
     assert spec.sources == str(pkg)
     assert spec.info == EngineInfo("0.29.0", "release")
+    # A fetch says what it does on stderr, phase by phase (it takes ~50 s for real).
+    said = capsys.readouterr().err.splitlines()
+    assert [line.split(": ")[2].split(" ")[0] for line in said] == [
+        "downloading", "unpacking", "done"], said
+    assert all(line.startswith("replayer: fetching vllm==0.29.0: ") for line in said), said
     kept = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*") if p.is_file())
     assert kept == ["__init__.py", "model_executor/configs/x.json", "v1/engine/core.py"]
     # Nothing but the release and its lock: no wheel, no half-extracted folder.
@@ -195,6 +200,7 @@ def test_release_cache_starts_from_nothing(tmp_path, monkeypatch):
     # Fetched once: a second resolve needs no wheel at all.
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
     assert release_sources("0.29.0") == pkg
+    assert capsys.readouterr().err == ""            # nothing to fetch, nothing said
 
     # A release pip cannot find: one clear error, nothing left behind.
     with pytest.raises(EngineError, match=r"engine vllm==0.31.0: could not fetch the wheel"):
@@ -214,6 +220,12 @@ def test_connector_trace_on_a_release_is_refused_plainly(tmp_path):
            "PIP_FIND_LINKS": str(tmp_path / "index")}
     needle = ("vllm 0.29.0 (release): connector replay (mooncake_store) runs on the installed "
               "vLLM only; releases and source trees do not support it yet")
+    # The first use fetches the release, and says so on stderr; nothing else is said.
+    proc = cli("check", scenario, "--engine", "vllm==0.29.0", env=env)
+    assert (proc.returncode, proc.stdout) == (0, f"SKIP {scenario}: {needle}\n")
+    fetch_lines = proc.stderr.splitlines()
+    assert fetch_lines and all(line.startswith("replayer: fetching vllm==0.29.0: ")
+                               for line in fetch_lines), proc.stderr
     assert_bad_input(cli("run", scenario, "--engine", "vllm==0.29.0", env=env), needle)
     proc = cli("check", scenario, "--engine", "vllm==0.29.0", env=env)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"SKIP {scenario}: {needle}\n", "")
