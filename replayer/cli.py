@@ -313,21 +313,28 @@ def cmd_diff(args) -> int:
 
 
 def cmd_bisect(args) -> int:
-    from .bisect import CommitLine, path_report, release_line, search
+    """Prints the header first and each replay as it ends (each takes 10-35 s)."""
+    from .bisect import CommitLine, conclusion, header_line, probe_line, release_line, search
+
+    def say(text: str) -> None:
+        print(text, flush=True)
 
     trace = load_target(args.target)
     if args.tree is None:
         line = release_line(args.good, args.bad)
-        res = search(line, lambda spec: _replay(trace, args, _one_off(spec)))
-        print(path_report(res, "releases"))
+        say(header_line(len(line), "releases"))
+        res = search(line, lambda spec: _replay(trace, args, _one_off(spec)),
+                     on_probe=lambda p: say(probe_line(p)))
     else:
         commits = CommitLine(args.tree, args.good, args.bad)
         try:
+            say(header_line(len(commits.commits), f"commits of {commits.tree}"))
             res = search(commits.commits,
-                         lambda c: _replay(trace, args, _one_off(commits.engine(c))))
+                         lambda c: _replay(trace, args, _one_off(commits.engine(c))),
+                         on_probe=lambda p: say(probe_line(p)))
         finally:
             commits.close()
-        print(path_report(res, f"commits of {commits.tree}"))
+    say(conclusion(res))
     return EXIT_OK if res.first_bad is not None else EXIT_MISMATCH
 
 

@@ -265,9 +265,10 @@ def test_search_finds_the_first_engine_that_differs_in_few_replays():
         tried.append(i)
         return _fake_result(i, 64 if i < 5 else 32)
 
-    res = search(list(range(9)), replay_one)
+    res = search(list(range(9)), replay_one, on_probe=lambda p: tried.append(f"told {p.index}"))
     assert res.first_bad is not None and res.first_bad.index == 5
-    assert tried == [0, 8, 4, 6, 5]                 # good, bad, then halving
+    # good, bad, then halving; each told as soon as it is replayed
+    assert tried == [0, "told 0", 8, "told 8", 4, "told 4", 6, "told 6", 5, "told 5"]
     assert [(p.role, p.matched_good) for p in res.path] == [
         ("good", True), ("bad", False), ("try", True), ("try", False), ("try", False)]
     assert res.change is not None and res.change.a.vllm == "0.4.0"
@@ -280,3 +281,14 @@ def test_search_when_bad_matches_good():
     res = search([0, 1, 2], lambda i: _fake_result(i, 64))
     assert res.first_bad is None
     assert [p.index for p in res.path] == [0, 2]
+
+
+def test_bisect_prints_its_header_before_the_first_replay(tmp_path):
+    """The header comes first, even when the first replay then fails (here: no wheel)."""
+    env = {"PREFIX_REPLAYER_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(tmp_path / "empty")}
+    proc = cli("bisect", FIXTURE, "--good", "vllm==0.29.0", "--bad", "vllm==0.30.0", env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "bisect over 2 releases:\n"
+    assert proc.stderr.splitlines()[-1].startswith(
+        "replayer: error: engine vllm==0.29.0: could not fetch the wheel")
