@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replayer", description=(
         "Replay recorded request streams through vLLM's own scheduler and KV-cache "
         "manager, and check prefix-cache hits against golden results."))
+    p.add_argument("--version", action=_VersionAction, nargs=0,
+                   help="the replayer's version, the installed vLLM and the releases it replays")
     sub = p.add_subparsers(dest="command", required=True)
 
     def engine_opts(sp: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -114,6 +116,31 @@ def _parser() -> argparse.ArgumentParser:
     anon.add_argument("--secret", metavar="HEX",
                       help="hash key, for reproducible ids (default: random, never stored)")
     return p
+
+
+def _version_text() -> str:
+    """Package metadata only: no vLLM import, so ``--version`` answers at once."""
+    from importlib import metadata
+
+    from .engines import EngineError, installed_vllm_version, supported_ranges
+
+    try:
+        own = metadata.version("prefix-replayer")
+    except metadata.PackageNotFoundError:
+        own = "(not installed)"
+    try:
+        vllm = f"vLLM {installed_vllm_version()} installed"
+    except EngineError:
+        vllm = "no vLLM installed"
+    return f"replayer {own}\n{vllm}; replays vLLM releases {supported_ranges()}"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, printed as is (argparse's own action rewraps the lines)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(_version_text())
+        parser.exit()
 
 
 def _err(msg: str) -> int:
@@ -214,6 +241,16 @@ def cmd_check(args) -> int:
     if args.against == "recorded":
         return _check_recorded(args, traces)
     worst = EXIT_OK
+    if not args.update_golden:                      # said before any replay, and not replayed
+        key = _golden_key(spec)
+        for path, trace in traces:
+            if select(trace.goldens, key) is None:
+                print(f"FAIL {path}: no goldens for engine {key} (record them with "
+                      "--update-golden); not replayed", flush=True)
+                worst = EXIT_MISMATCH
+        traces = [(p, t) for p, t in traces if select(t.goldens, key) is not None]
+        if not traces:
+            return worst
     with replayer(spec) as run:                     # one engine process for every target
         for path, trace in traces:
             try:
@@ -223,6 +260,14 @@ def cmd_check(args) -> int:
                 continue
             worst = max(worst, _check_one(args, path, trace, result))
     return worst
+
+
+def _golden_key(spec) -> str:
+    """The key an engine's goldens are filed under, known before it runs or is fetched."""
+    from .engines import installed_vllm_version
+
+    version = installed_vllm_version() if spec.version is None else spec.version
+    return f"vllm=={version}"
 
 
 def _note_skipped(trace) -> None:
