@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from traces import TraceError, load_target
-from traces.goldens import compare, select
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), or the path of a "
@@ -242,13 +241,14 @@ def cmd_check(args) -> int:
         return _check_recorded(args, traces)
     worst = EXIT_OK
     if not args.update_golden:                      # said before any replay, and not replayed
-        key = _golden_key(spec)
+        from .checking import golden_key, has_goldens, no_goldens
+
+        key = golden_key(spec)
         for path, trace in traces:
-            if select(trace.goldens, key) is None:
-                print(f"FAIL {path}: no goldens for engine {key} (record them with "
-                      "--update-golden); not replayed", flush=True)
+            if not has_goldens(trace, key):
+                print(no_goldens(path, key).text, flush=True)
                 worst = EXIT_MISMATCH
-        traces = [(p, t) for p, t in traces if select(t.goldens, key) is not None]
+        traces = [(p, t) for p, t in traces if has_goldens(t, key)]
         if not traces:
             return worst
     with replayer(spec) as run:                     # one engine process for every target
@@ -260,14 +260,6 @@ def cmd_check(args) -> int:
                 continue
             worst = max(worst, _check_one(args, path, trace, result))
     return worst
-
-
-def _golden_key(spec) -> str:
-    """The key an engine's goldens are filed under, known before it runs or is fetched."""
-    from .engines import installed_vllm_version
-
-    version = installed_vllm_version() if spec.version is None else spec.version
-    return f"vllm=={version}"
 
 
 def _note_skipped(trace) -> None:
@@ -299,38 +291,11 @@ def _check_recorded(args, traces) -> int:
 
 def _check_one(args, path: Path, trace, result) -> int:
     """Compare one replay with its goldens (or rewrite them); the exit code it earns."""
-    from traces.scenario import is_scenario_path
+    from .checking import check_result
 
-    from . import store_check
-    from .golden_update import update
-    from .report import check_report
-
-    engine_key = result.engine.key
-    chosen = select(trace.goldens, engine_key)
-    if args.update_golden:
-        golden_key = chosen[0] if chosen else engine_key
-        written, where = update(path, is_scenario_path(path), trace.goldens, golden_key,
-                                engine_key, result.requests)
-        label = "any engine" if written == "*" else written
-        print(f"UPDATED {path}: goldens for {label} rewritten in {where} from engine "
-              f"{engine_key}; review the change before committing")
-        store_where = store_check.update(path, is_scenario_path(path), trace, result)
-        if store_where:
-            print(f"UPDATED {path}: store goldens rewritten in {store_where}")
-        return EXIT_MISMATCH
-    if chosen is None:
-        print(f"FAIL {path}: no goldens for engine {engine_key} "
-              "(record them with --update-golden)")
-        return EXIT_MISMATCH
-    golden_key, expect = chosen
-    mismatches = compare(expect, result.requests)
-    store_lines, store_ok = store_check.check(trace, result)
-    report = check_report(str(path), engine_key, golden_key, mismatches, result,
-                          trace.engine, len(expect))
-    if not store_ok and not mismatches:
-        report = "FAIL" + report[len("PASS"):] + ", but the store does not"
-    print("\n".join([report, *store_lines]))
-    return EXIT_MISMATCH if mismatches or not store_ok else EXIT_OK
+    outcome = check_result(path, trace, result, update_golden=args.update_golden)
+    print(outcome.text)
+    return outcome.code
 
 
 def cmd_diff(args) -> int:
