@@ -21,19 +21,21 @@ ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), or t
                "vLLM source tree")
 
 
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch",
+             # Mooncake's C++ client and master (glog before init, then its own levels).
+             "GLOG_minloglevel": "3", "MC_LOG_LEVEL": "ERROR", "MC_YLT_LOG_LEVEL": "error"}
+
+
 def _quiet_vllm(verbose: bool) -> None:
     """vLLM and torch stay quiet unless --verbose (set before they are imported)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
     if verbose:
         os.environ["PREFIX_REPLAYER_VERBOSE"] = "1"
         return
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_LOGS", "-torch")
-    # Mooncake's C++ client and master (glog before init, then its own levels).
-    os.environ.setdefault("GLOG_minloglevel", "3")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("MC_YLT_LOG_LEVEL", "error")
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
