@@ -47,12 +47,29 @@ def bundled_targets() -> list[str]:
     return [str(p.relative_to(REPO)) for p in [*scenarios, *traces]]
 
 
-def test_the_entry_point_names_the_plugin():
+def test_the_entry_point_loads_the_plugin(tmp_path):
+    """pyproject's pytest11 entry point, as pip installs it (a dist-info with
+    entry_points.txt on the path), makes plain ``pytest fixtures/`` collect."""
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert data["project"]["entry-points"]["pytest11"] == {"replayer": "replayer.pytest_plugin"}
+    points = data["project"]["entry-points"]["pytest11"]
+    assert points == {"replayer": "replayer.pytest_plugin"}
     assert "pytest-xdist" in " ".join(data["project"]["optional-dependencies"]["test"])
     if os.environ.get("CI") == "true":              # CI installs the package from this tree
         assert entry_point_installed()
+    dist = tmp_path / "site" / "replayer_entry_point-0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: replayer-entry-point\n"
+                                   "Version: 0\n")
+    (dist / "entry_points.txt").write_text(
+        "[pytest11]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), str(dist.parent),
+                                                      env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           "--collect-only", "-q", "fixtures/scenarios/"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"{len(list(SCENARIOS.glob('*.yaml')))} tests collected" in proc.stdout
 
 
 def test_collects_every_fixture_once_per_engine():
