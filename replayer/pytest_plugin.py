@@ -38,7 +38,7 @@ import pytest
 
 SLOW_REQUESTS = 200
 _SCENARIO = re.compile(r"^requests\s*:", re.MULTILINE)
-_POOL = pytest.StashKey["EnginePool"]()
+_POOL = pytest.StashKey[Any]()             # the session's replayer.engine_pool.EnginePool
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -72,6 +72,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--replayer-engine: {exc}") from None
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+    from .engine_pool import EnginePool
+
     config.stash[_POOL] = EnginePool(parsed, store)
 
 
@@ -88,39 +90,21 @@ def _store_spec(config: pytest.Config) -> Any:
                             config.getoption("replayer_store_capacity"))
 
 
-class EnginePool:
-    """The engines of this pytest process: one child per spec, started on first use."""
+@pytest.fixture(scope="session")
+def replayer(pytestconfig: pytest.Config):
+    """Replay a scenario or trace in your own test; typed outcomes by request id::
 
-    def __init__(self, specs: dict[str, Any], store: Any) -> None:
-        self.specs = specs
-        self.store = store
-        self._procs: dict[str, Any] = {}
-        self.started = 0                            # engine processes started (tests read it)
+        def test_turn2_hits(replayer):
+            result = replayer("fixtures/scenarios/vllm51295_turn1_24577.yaml")
+            assert result["turn2"].num_cached_tokens == 24448
 
-    def replay(self, spec: str, trace: Any) -> Any:
-        from .engine_process import EngineProcess
+    ``replayer(target, engine="installed", store=None)``; see :mod:`replayer.testing`.
+    Shares the session's engine processes with the collected golden items."""
+    from .testing import replay_with
 
-        proc = self._procs.get(spec)
-        if proc is None:
-            from .cli import OFFLINE_ENV, QUIET_ENV
-
-            proc = self._procs[spec] = EngineProcess(self.specs[spec], installed_too=True,
-                                                     env_defaults={**OFFLINE_ENV, **QUIET_ENV})
-            self.started += 1
-        if self.store.host is not None and _connector(trace):
-            from .store.master import wait_reachable
-
-            wait_reachable(self.store.host, self.store.port)
-        return proc.replay(trace, store=self.store)
-
-    def close(self) -> None:
-        procs, self._procs = self._procs, {}
-        for proc in procs.values():
-            proc.close()
-
-
-def _connector(trace: Any) -> Any:
-    return trace.engine.get("connector")
+    pool = pytestconfig.stash[_POOL]
+    return lambda target, engine="installed", store=None: replay_with(
+        pool.replay, target, engine, store)
 
 
 # -- collection ---------------------------------------------------------------------------
@@ -163,17 +147,19 @@ class _Target:
     def _items(self) -> Iterator["GoldenItem"]:
         from traces import TraceError, load_target
 
+        from .engine_pool import connector
+
         try:
             trace, error = load_target(self.path), None
         except TraceError as exc:                   # reported by each item, in one line
             trace, error = None, exc
         pool = self.config.stash[_POOL]
-        for spec in pool.specs:
+        for spec in pool.item_specs:
             item = GoldenItem.from_parent(self, name=spec, spec=spec, trace=trace, error=error)
             if trace is not None:
                 if trace.requests.num_rows >= SLOW_REQUESTS:
                     item.add_marker("slow")
-                if _connector(trace) and pool.store.kind == "mooncake":
+                if connector(trace) and pool.store.kind == "mooncake":
                     item.add_marker("real_master")
             yield item
 
