@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from traces import TraceError, load_target
 
@@ -163,23 +163,19 @@ def _store_spec(args):
         raise StoreError(str(exc)) from None
 
 
-def _replay(target, args, run=None):
-    """Replay ``target`` on ``run`` (from :func:`replayer.engine_process.replayer`),
-    else on ``--engine``; says each engine note once on stderr."""
+def _replay(target, args, run):
+    """Replay ``target`` on ``run`` (from :func:`replayer.runner.engine_runner`);
+    says each engine note once on stderr."""
     from .progress import ProgressBar
-    from .replay import replay
 
     store = _store_spec(args)
-    if store.host is not None and target.engine.get("connector"):
+    if store.host is not None and target.engine.connector:
         from .store.master import wait_reachable
 
         wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
-        if run is None:
-            result = replay(target, engine_spec=args.engine, progress=bar, store=store)
-        else:
-            result = run(target, progress=bar, store=store)
+        result = run(target, progress=bar, store=store)
     finally:
         bar.close()
     for note in result.notes:
@@ -190,16 +186,17 @@ def _replay(target, args, run=None):
 
 
 def cmd_run(args) -> int:
-    from .report import dumps, run_table, write_atomic
-
     from .engines.specs import parse_spec
+    from .report import dumps, run_table, write_atomic
+    from .runner import engine_runner
 
-    parse_spec(args.engine)                 # a bad spec is reported before anything runs
+    spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
     trace = load_target(args.target)
     _note_skipped(trace)
-    if args.store_ops and not trace.engine.get("connector"):
+    if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
-    result = _replay(trace, args)
+    with engine_runner(spec) as run:
+        result = _replay(trace, args, run)
     print(run_table(result))
     if args.store_ops:
         from traces.trace import write_table_atomic
@@ -230,9 +227,9 @@ def _expand_targets(targets: Sequence[str]) -> list[Path]:
 
 
 def cmd_check(args) -> int:
-    from .engine_process import replayer
     from .engines import UnsupportedByEngine
     from .engines.specs import parse_spec
+    from .runner import engine_runner
 
     spec = parse_spec(args.engine)
     paths = _expand_targets(args.targets)
@@ -253,7 +250,7 @@ def cmd_check(args) -> int:
         traces = [(p, t) for p, t in traces if has_goldens(t, key)]
         if not traces:
             return worst
-    with replayer(spec) as run:                     # one engine process for every target
+    with engine_runner(spec) as run:                # one engine process for every target
         for path, trace in traces:
             try:
                 result = _replay(trace, args, run)
@@ -265,9 +262,9 @@ def cmd_check(args) -> int:
 
 
 def _note_skipped(trace) -> None:
-    for part in getattr(trace, "skipped_parts", ()):
+    for part in trace.skipped_parts:
         print(f"replayer: note: skipped half-written part {part}", file=sys.stderr)
-    for note in getattr(trace, "notes", ()):
+    for note in trace.notes:
         print(f"replayer: note: {note}", file=sys.stderr)
 
 
@@ -302,9 +299,9 @@ def _check_one(args, path: Path, trace, result) -> int:
 
 def cmd_diff(args) -> int:
     from .diff import compare_results, diff_table
-    from .engine_process import replayer
     from .engines.specs import parse_spec
     from .report import write_atomic
+    from .runner import engine_runner
 
     if len(args.engine) != 2:
         return _err(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
@@ -312,7 +309,7 @@ def cmd_diff(args) -> int:
     trace = load_target(args.target)
     results = []
     for spec in specs:
-        with replayer(spec) as run:
+        with engine_runner(spec) as run:
             results.append(_replay(trace, args, run))
     d = compare_results(*results)
     print(diff_table(d))
@@ -327,35 +324,31 @@ def cmd_diff(args) -> int:
 def cmd_bisect(args) -> int:
     """Prints the header first and each replay as it ends (each takes 10-35 s)."""
     from .bisect import CommitLine, conclusion, header_line, probe_line, release_line, search
+    from .runner import engine_runner
 
     def say(text: str) -> None:
         print(text, flush=True)
 
     trace = load_target(args.target)
+
+    def replay_on(spec):
+        with engine_runner(spec) as run:        # each engine's process ends with its replay
+            return _replay(trace, args, run)
+
     if args.tree is None:
         line = release_line(args.good, args.bad)
         say(header_line(len(line), "releases"))
-        res = search(line, lambda spec: _replay(trace, args, _one_off(spec)),
-                     on_probe=lambda p: say(probe_line(p)))
+        res = search(line, replay_on, on_probe=lambda p: say(probe_line(p)))
     else:
         commits = CommitLine(args.tree, args.good, args.bad)
         try:
             say(header_line(len(commits.commits), f"commits of {commits.tree}"))
-            res = search(commits.commits,
-                         lambda c: _replay(trace, args, _one_off(commits.engine(c))),
+            res = search(commits.commits, lambda c: replay_on(commits.engine(c)),
                          on_probe=lambda p: say(probe_line(p)))
         finally:
             commits.close()
     say(conclusion(res))
     return EXIT_OK if res.first_bad is not None else EXIT_MISMATCH
-
-
-def _one_off(spec):
-    """A runner for one replay on ``spec`` (its engine process ends with it)."""
-    from .replay import replay
-
-    return lambda trace, progress=None, store=None: replay(
-        trace, engine_spec=spec, progress=progress, store=store)
 
 
 def cmd_compile(args) -> int:
@@ -368,8 +361,8 @@ def cmd_compile(args) -> int:
     return EXIT_OK
 
 
-def _engine_yaml(path: str) -> dict[str, Any]:
-    from traces.engine_spec import validate_engine
+def _engine_yaml(path: str):
+    from traces.engine_spec import EngineBlock
     from traces.scenario import load_yaml
 
     p = Path(path)
@@ -379,7 +372,7 @@ def _engine_yaml(path: str) -> dict[str, Any]:
             raise TraceError(p, f"unknown key {key!r} (an engine file holds only 'engine:')")
     if "engine" not in data:
         raise TraceError(p, "no 'engine:' block")
-    return validate_engine(str(p), data["engine"])
+    return EngineBlock.from_dict(str(p), data["engine"])
 
 
 def cmd_import(args) -> int:
@@ -403,7 +396,7 @@ def cmd_info(args) -> int:
     from traces import schema
 
     trace = load_target(args.target)
-    print(json.dumps(trace.header, indent=2, sort_keys=True))
+    print(trace.header_json(), end="")
     for name in schema.TABLES:
         table = trace.table(name)
         if table is None:

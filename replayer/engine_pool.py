@@ -9,6 +9,7 @@ installed vLLM included, runs in a child whose interpreter hash seed is pinned
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 
@@ -20,35 +21,34 @@ class EnginePool:
         self.specs = specs
         self.item_specs = list(specs)               # what each target is checked on
         self.store = store
-        self._procs: dict[str, Any] = {}
+        self._runs: dict[str, Any] = {}
+        self._stack = ExitStack()
         self.started = 0                            # engine processes started (tests read it)
 
     def replay(self, spec: str, trace: Any, store: Any = None) -> Any:
-        from .engine_process import EngineProcess
+        from .cli import OFFLINE_ENV, QUIET_ENV
         from .engines.specs import parse_spec
+        from .runner import engine_runner
 
         store = self.store if store is None else store
         if spec not in self.specs:                  # replayer.testing may name any engine
             self.specs[spec] = parse_spec(spec)
-        proc = self._procs.get(spec)
-        if proc is None:
-            from .cli import OFFLINE_ENV, QUIET_ENV
-
-            proc = self._procs[spec] = EngineProcess(self.specs[spec], installed_too=True,
-                                                     env_defaults={**OFFLINE_ENV, **QUIET_ENV})
+        run = self._runs.get(spec)
+        if run is None:
+            run = self._runs[spec] = self._stack.enter_context(engine_runner(
+                self.specs[spec], own_process=True, env_defaults={**OFFLINE_ENV, **QUIET_ENV}))
             self.started += 1
         if store.host is not None and connector(trace):
             from .store.master import wait_reachable
 
             wait_reachable(store.host, store.port)
-        return proc.replay(trace, store=store)
+        return run(trace, store=store)
 
     def close(self) -> None:
-        procs, self._procs = self._procs, {}
-        for proc in procs.values():
-            proc.close()
+        self._runs = {}
+        self._stack.close()
 
 
 def connector(trace: Any) -> Any:
     """The trace's KV connector (``mooncake_store``), or None."""
-    return trace.engine.get("connector")
+    return trace.engine.connector

@@ -25,13 +25,16 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
+from traces.outcome import RequestOutcome
+
 __all__ = ["ReplayOutcomes", "replay", "replay_with"]
 
 
-class ReplayOutcomes(Mapping[str, Any]):
+class ReplayOutcomes(Mapping[str, RequestOutcome]):
     """A replay's per-request outcomes by id, in arrival order.
 
-    ``result["turn2"]`` is that request's outcome (``num_cached_tokens``,
+    ``result["turn2"]`` is that request's :class:`traces.outcome.RequestOutcome`
+    (``num_cached_tokens``,
     ``num_local_cached_tokens``, ``num_external_cached_tokens``,
     ``num_prompt_tokens``, ``arrival_step``, ``prefill_step``, ``finish_step``,
     ``aborted``, ``group_hits``); ``.engine`` says what ran, ``.summary`` the
@@ -39,9 +42,9 @@ class ReplayOutcomes(Mapping[str, Any]):
 
     def __init__(self, result: Any) -> None:
         self.result = result
-        self._by_id = {_outcome(r).id: _outcome(r) for r in result.requests}
+        self._by_id = result.by_id()
 
-    def __getitem__(self, request_id: str) -> Any:
+    def __getitem__(self, request_id: str) -> RequestOutcome:
         try:
             return self._by_id[request_id]
         except KeyError:
@@ -66,15 +69,6 @@ class ReplayOutcomes(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"<ReplayOutcomes {len(self)} requests on {self.engine.label}>"
-
-
-def _outcome(request: Any) -> Any:
-    """The typed outcome of one request (the replay's own type)."""
-    if isinstance(request, dict):   # before the RequestOutcome type: attribute access alike
-        from types import SimpleNamespace
-
-        return SimpleNamespace(**request)
-    return request
 
 
 def replay_with(run: Callable[..., Any], target: Any, engine: str = "installed",
