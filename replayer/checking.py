@@ -37,6 +37,13 @@ def has_goldens(trace: Any, key: str) -> bool:
     return select(trace.goldens, key) is not None
 
 
+def said_before_replay(spec: Any, trace: Any) -> bool:
+    """Whether "no goldens" may be said of ``trace`` before any replay: not when the
+    engine will refuse it anyway (connector replay on a release or tree, refused by
+    :class:`replayer.engine_process.EngineProcess`, which ``check`` reports as SKIP)."""
+    return spec.kind == "installed" or not trace.engine.connector
+
+
 def no_goldens(path: Path | str, key: str) -> CheckOutcome:
     """What ``check`` says, without replaying, of a target with no goldens for ``key``."""
     return CheckOutcome([f"FAIL {path}: no goldens for engine {key} (record them with "

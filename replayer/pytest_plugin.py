@@ -191,7 +191,8 @@ class GoldenItem(pytest.Item):
         self.error = error
 
     def runtest(self) -> None:
-        from .checking import check_result, golden_key, has_goldens, no_goldens
+        from .checking import (check_result, golden_key, has_goldens, no_goldens,
+                               said_before_replay)
         from .engines import UnsupportedByEngine
 
         if self.error is not None:
@@ -199,8 +200,9 @@ class GoldenItem(pytest.Item):
         pool = self.config.stash[_POOL]
         shown = self._shown_path()
         update = self.config.getoption("replayer_update_golden")
-        key = golden_key(pool.specs[self.spec])
-        if not update and not has_goldens(self.trace, key):
+        spec = pool.specs[self.spec]
+        key = golden_key(spec)
+        if not update and said_before_replay(spec, self.trace) and not has_goldens(self.trace, key):
             raise GoldenCheckFailed(no_goldens(shown, key).text)
         try:
             result = pool.replay(self.spec, self.trace)
