@@ -187,7 +187,9 @@ def _replay(target, args, run):
 
 def cmd_run(args) -> int:
     from .engines.specs import parse_spec
-    from .report import dumps, run_table, write_atomic
+    from traces.atomic import write_atomic
+
+    from .report import dumps, run_table
     from .runner import engine_runner
 
     spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
@@ -240,13 +242,13 @@ def cmd_check(args) -> int:
         return _check_recorded(args, traces)
     worst = EXIT_OK
     if not args.update_golden:                      # said before any replay, and not replayed
-        from .checking import golden_key, has_goldens, no_goldens, said_before_replay
+        from .golden_check import engine_key_of, has_goldens, no_goldens, said_before_replay
 
-        key = golden_key(spec)
+        key = engine_key_of(spec)
         unchecked = [(p, t) for p, t in traces
                      if said_before_replay(spec, t) and not has_goldens(t, key)]
         for path, _ in unchecked:
-            print(no_goldens(path, key).text, flush=True)
+            print("\n".join(no_goldens(path, key)), flush=True)
             worst = EXIT_MISMATCH
         traces = [(p, t) for p, t in traces if all(p is not q for q, _ in unchecked)]
         if not traces:
@@ -291,17 +293,20 @@ def _check_recorded(args, traces) -> int:
 
 def _check_one(args, path: Path, trace, result) -> int:
     """Compare one replay with its goldens (or rewrite them); the exit code it earns."""
-    from .checking import check_result
+    from . import golden_check
 
-    outcome = check_result(path, trace, result, update_golden=args.update_golden)
-    print(outcome.text)
-    return outcome.code
+    if args.update_golden:
+        print("\n".join(golden_check.update(path, trace, result)))
+        return EXIT_MISMATCH                        # a rewrite is always reviewed
+    lines, ok = golden_check.check(path, trace, result)
+    print("\n".join(lines))
+    return EXIT_OK if ok else EXIT_MISMATCH
 
 
 def cmd_diff(args) -> int:
     from .diff import compare_results, diff_table
     from .engines.specs import parse_spec
-    from .report import write_atomic
+    from traces.atomic import write_atomic
     from .runner import engine_runner
 
     if len(args.engine) != 2:
@@ -395,6 +400,9 @@ def cmd_import(args) -> int:
 
 def cmd_info(args) -> int:
     from traces import schema
+    from traces.golden_kind import label
+    from traces.store_goldens import STORE
+    from traces.writer import parts_on_disk
 
     trace = load_target(args.target)
     print(trace.header_json(), end="")
@@ -408,9 +416,8 @@ def cmd_info(args) -> int:
             if f.exists():
                 size = f", {f.stat().st_size} bytes on disk"
             else:                                   # a recorded table: a folder of parts
-                parts = sorted((trace.path / name).glob("part-*.parquet"))
-                size = (f", {sum(p.stat().st_size for p in parts)} bytes on disk "
-                        f"in {len(parts)} part(s)")
+                nbytes, parts = parts_on_disk(trace.path / name)
+                size = f", {nbytes} bytes on disk in {parts} part(s)"
         print(f"{name}: {table.num_rows} rows, {table.num_columns} columns{size}")
     rq = trace.requests
     print(f"prompt tokens: {sum(rq['num_prompt_tokens'].to_pylist())}")
@@ -419,12 +426,10 @@ def cmd_info(args) -> int:
     for note in trace.notes:
         print(f"note: {note}")
     for key, expect in sorted(trace.goldens.items()):
-        label = "any engine" if key == "*" else key
-        print(f"goldens for {label}: {len(expect)} requests")
+        print(f"goldens for {label(key)}: {len(expect)} requests")
     for key, expect in sorted(trace.store_goldens.items()):
-        label = "any engine" if key == "*" else key
-        n = sum(len(b) for g in expect.get("puts", {}).values() for b in g.values())
-        print(f"store goldens for {label}: {n} keys, {len(expect.get('lookups', {}))} lookups")
+        puts, lookups = STORE.count(expect)
+        print(f"store goldens for {label(key)}: {puts} keys, {lookups} lookups")
     return EXIT_OK
 
 
