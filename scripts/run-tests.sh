@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 
 UNITS="tests/test_traces_*.py tests/test_cli_errors.py tests/test_cli_version.py
-       tests/test_engines_specs.py tests/test_recorder_writer.py tests/test_store_memory.py"
+       tests/test_engines_specs.py tests/test_recorder_writer.py tests/test_store_memory.py
+       tests/test_schedule.py tests/test_golden_update.py"
 INSTALLED="tests/test_replay.py tests/test_anonymize.py tests/test_store_ops.py
            tests/test_store_errors.py tests/test_store_real_master.py"
 RECORDER="tests/test_recorder_roundtrip.py tests/test_recorder_kill.py"
@@ -85,7 +86,7 @@ real_master() {
 
 # shellcheck disable=SC2086
 {
-pytest_phase "traces, command line, specs, recorder writer, memory store (no replay)" $UNITS
+pytest_phase "traces, command line, specs, step clock, golden updates, recorder writer, memory store (no vLLM replay)" $UNITS
 pytest_phase "replays on the installed vLLM 0.33.0 (store tests without a master included)" $INSTALLED
 pytest_phase "recorder: round trips and kill -9" $RECORDER
 phase "fetch vLLM 0.29.0 and 0.33.0 release sources (once per cache, ~660 MB of downloads)" fetch_releases
