@@ -51,6 +51,14 @@ class ReplayResult:
     store: dict[str, Any] | None = None
     # vLLM's KV-cache groups in its own order (kind, EAGLE drop), when the adapter tells.
     kv_groups: list[dict[str, Any]] | None = None
+    # Tokens every prefix hit is a multiple of (vLLM's cache_hit_alignment_tokens),
+    # when the adapter tells; not part of the JSON.
+    hit_alignment: int | None = None
+    # When each request last looked up the prefix cache, (engine step, lookup
+    # number), and the engine step it finished in (steps counted as run, not
+    # the clock): who could see whose prefix. Adapters that tell; not in the JSON.
+    lookups: dict[str, tuple[int, int]] | None = None
+    finished_engine_step: dict[str, int] = field(default_factory=dict)
     # Settings of the trace this engine does not have, and how it replayed
     # without them (older releases); said on stderr, never part of the JSON.
     notes: list[str] = field(default_factory=list)
@@ -175,6 +183,7 @@ def replay(trace: Trace, engine_spec: Any = "installed",
     step_events.sort(key=lambda e: (e[0], e[1]))
 
     results: list[dict[str, Any] | None] = [None] * n
+    finished_engine_step: dict[str, int] = {}
     order: list[int] = []
     clock = 0
     steps_run = 0
@@ -256,6 +265,7 @@ def replay(trace: Trace, engine_spec: Any = "installed",
                 r = results[i]
                 if r["finish_step"] is None:
                     r["finish_step"] = clock - 1
+                    finished_engine_step[rid] = steps_run
                 done += 1
                 prompt_done += r["num_prompt_tokens"]
                 cached_done += r["num_cached_tokens"] or 0
@@ -267,6 +277,8 @@ def replay(trace: Trace, engine_spec: Any = "installed",
                 progress(Progress(done, n, steps_run, prompt_done, cached_done))
         report = getattr(engine, "store_report", lambda: None)()
         kv_groups = getattr(engine, "kv_groups", lambda: None)()
+        hit_alignment = getattr(engine, "hit_alignment", lambda: None)()
+        lookups = getattr(engine, "lookups", lambda: None)()
     finally:
         vllm_s = engine.vllm_seconds()
         if owns_engine:
@@ -278,7 +290,8 @@ def replay(trace: Trace, engine_spec: Any = "installed",
                           "never completes?)")
     out = [results[i] for i in order]
     return ReplayResult(engine=engine.info, requests=out, steps=steps_run, store=report,
-                        kv_groups=kv_groups,
+                        kv_groups=kv_groups, hit_alignment=hit_alignment, lookups=lookups,
+                        finished_engine_step=finished_engine_step,
                         notes=list(getattr(engine, "notes", ())), timings={
         "startup_s": t_ready - t_start, "loop_s": t_end - t_ready, "wall_s": t_end - t_start,
         "vllm_s": vllm_s})

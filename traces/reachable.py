@@ -8,15 +8,19 @@ capped so the last prompt token is recomputed (vLLM looks up at most
 comparison across requests done by polars over exploded per-unit chain hashes.
 
 What "before it arrived" means follows the replay's step clock, given as a
-:class:`Clock` (arrival order, arrival and finish steps, e.g. from a replay):
+:class:`Clock`: the order in which requests reached the engine's prefix
+lookup, the step of that lookup, and the step each finished in (from a
+replay: vLLM looks a request up when it is scheduled, so under FCFS this is
+arrival order, and under priority scheduling or a full queue a request that
+waited can hit a later arrival's prompt that was scheduled first):
 
-- a prompt is seen by every request that arrives after it in arrival order
-  (the engine can hit blocks of a request still being prefilled, so arrival,
-  not completion, is the generous bound an upper limit needs);
-- an output is seen by requests whose arrival step is later than the step in
-  which its request finished: only then is it all in the cache. What is seen
-  is the prompt and the first ``output_len - 1`` output tokens (the last
-  sampled token is never fed back, so it has no KV).
+- a prompt is seen by every request looked up after it (vLLM caches a
+  request's full blocks as it allocates them, before they are computed, so
+  being scheduled, not finishing, is the bound an upper limit needs);
+- an output is seen by requests looked up in a later step than the one its
+  request finished in: only then is it all in the cache. What is seen is the
+  prompt and the first ``output_len - 1`` output tokens (the last sampled
+  token is never fed back, so it has no KV).
 
 Without a clock (:func:`trace_clock`) timed requests arrive by
 ``(arrival_step, row)``, an ``after: X`` request right after X, and outputs
@@ -62,9 +66,9 @@ def prefix_match_unit(engine: dict[str, Any]) -> int:
 class Clock:
     """The replay's step clock for each request: arrival order and steps."""
 
-    order: list[str]                       # request ids in arrival order
-    arrival_step: dict[str, int]
-    finish_step: dict[str, int | None]     # None: never finished (aborted, ...)
+    order: list[str]                       # request ids in the order they were looked up
+    step: dict[str, int]                   # the step of that lookup (non-decreasing in order)
+    finish_step: dict[str, int | None]     # same clock; None: never finished (aborted, ...)
 
 
 def trace_clock(trace: Trace) -> Clock:
@@ -88,7 +92,7 @@ def trace_clock(trace: Trace) -> Clock:
     for s, i in timed:
         visit(i, s)
     # Without a replay no finish is known: outputs count only along after chains.
-    return Clock(order=order, arrival_step=step, finish_step={rid: None for rid in order})
+    return Clock(order=order, step=step, finish_step={rid: None for rid in order})
 
 
 def _position_weights(n: int) -> np.ndarray:
@@ -155,7 +159,7 @@ def _token_hashed(trace: Trace, unit: int) -> bool:
 
 
 def reachable_hits(trace: Trace, clock: Clock | None = None) -> pl.DataFrame:
-    """Per request, in arrival order: ``id``, ``arrival_pos``, ``num_prompt_tokens``,
+    """Per request, in lookup order: ``id``, ``arrival_pos`` (that order), ``num_prompt_tokens``,
     ``reachable`` (tokens), ``reachable_from`` (the earliest request that held
     that prefix, or null) and ``cap`` (the most vLLM may look up, in whole units)."""
     clock = clock or trace_clock(trace)
@@ -172,7 +176,7 @@ def reachable_hits(trace: Trace, clock: Clock | None = None) -> pl.DataFrame:
         blocks = (col.offsets.to_numpy(), col.values.to_numpy())
 
     n = len(clock.order)
-    arrivals = np.asarray([clock.arrival_step[rid] for rid in clock.order], dtype=np.int64)
+    arrivals = np.asarray([clock.step[rid] for rid in clock.order], dtype=np.int64)
     pos_of = {rid: p for p, rid in enumerate(clock.order)}
     # Trace-only clock: an output is seen by the requests waiting for it (after chains).
     waiters: dict[str, list[str]] = {}
