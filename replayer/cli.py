@@ -1,4 +1,5 @@
-"""The ``replayer`` command line: run, check, diff, bisect, compile, import, info.
+"""The ``replayer`` command line: run, check, explain, sweep, report, diff, bisect,
+compile, import, info.
 
 Exit codes: 0 success, 1 a check failed (or goldens were just rewritten and
 need review), 2 bad input or a replay that cannot go on (one line on stderr).
@@ -56,12 +57,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="store pool size, e.g. 64MB (memory: oldest keys evicted first; "
                              "mooncake: the master's segment)")
 
+    def set_opt(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--set", action="append", default=[], metavar="engine.KEY=VALUE",
+                        help="replay under another geometry: change one engine key (YAML "
+                             "value; null removes it; repeatable), validated as a scenario's")
+
     run = sub.add_parser("run", help="replay a scenario or trace and print its hits")
     run.add_argument("target", help="scenario .yaml or trace directory")
     run.add_argument("--json", metavar="OUT", help="write results as JSON ('-' for stdout)")
     run.add_argument("--store-ops", metavar="OUT.parquet",
                      help="write every store operation as a store_ops table (connector traces)")
     engine_opts(run)
+    set_opt(run)
 
     check = sub.add_parser("check", help="replay targets and compare with their goldens")
     check.add_argument("targets", nargs="+", help="scenarios, trace directories, or folders of them")
@@ -71,6 +78,16 @@ def _parser() -> argparse.ArgumentParser:
                        help="compare with the goldens (default), or with what a recorded trace "
                             "itself observed: outcomes, steps, store keys")
     engine_opts(check)
+    set_opt(check)
+
+    exp = sub.add_parser("explain", help="reachable vs actual hits per request, lost tokens "
+                                         "by cause (counterfactual replays)")
+    exp.add_argument("target", help="scenario .yaml or trace directory")
+    exp.add_argument("--json", metavar="OUT", help="write requests and summary as JSON ('-' for stdout)")
+    exp.add_argument("--parquet", metavar="OUT", help="write the per-request table as Parquet")
+    exp.add_argument("--top", type=int, default=5, help="requests listed by lost tokens (5)")
+    engine_opts(exp)
+    set_opt(exp)
 
     diff = sub.add_parser("diff", help="replay a target on two engines; print what differs")
     diff.add_argument("target", help="scenario .yaml or trace directory")
@@ -167,7 +184,7 @@ def cmd_run(args) -> int:
     from .engines.specs import parse_spec
 
     parse_spec(args.engine)                 # a bad spec is reported before anything runs
-    trace = load_target(args.target)
+    trace = _load_with_sets(args.target, args.set)
     _note_skipped(trace)
     if args.store_ops and not trace.engine.get("connector"):
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
@@ -208,7 +225,11 @@ def cmd_check(args) -> int:
 
     spec = parse_spec(args.engine)
     paths = _expand_targets(args.targets)
-    traces = [(p, load_target(p)) for p in paths]   # all bad input is reported before any replay
+    # All bad input is reported before any replay.
+    traces = [(p, _load_with_sets(p, args.set)) for p in paths]
+    if args.set and args.update_golden:
+        raise TraceError("--set", "goldens belong to the trace's own geometry "
+                                  "(drop --update-golden)")
     for _, trace in traces:
         _note_skipped(trace)
     if args.against == "recorded":
@@ -223,6 +244,36 @@ def cmd_check(args) -> int:
                 continue
             worst = max(worst, _check_one(args, path, trace, result))
     return worst
+
+
+def _load_with_sets(path, sets):
+    """A target, replayed under ``--set`` changes when there are any."""
+    from traces.what_if import with_sets
+
+    return with_sets(load_target(path), sets)
+
+
+def cmd_explain(args) -> int:
+    from .engines.specs import parse_spec
+    from .explain import explain
+    from .explain_report import render, write_parquet_atomic
+    from .report import write_atomic
+
+    parse_spec(args.engine)
+    if args.top < 0:
+        return _err("--top must be at least 0")
+    trace = _load_with_sets(args.target, args.set)
+    _note_skipped(trace)
+    _store_spec(args)                        # a bad --store is reported before any replay
+    ex = explain(trace, run=lambda t: _replay(t, args))
+    print(render(ex, top=args.top))
+    if args.parquet:
+        write_parquet_atomic(args.parquet, ex.table)
+    if args.json == "-":
+        sys.stdout.write(ex.dumps())
+    elif args.json:
+        write_atomic(args.json, ex.dumps())
+    return EXIT_OK
 
 
 def _note_skipped(trace) -> None:
@@ -439,7 +490,8 @@ def cmd_anonymize(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "bisect": cmd_bisect,
+COMMANDS = {"run": cmd_run, "check": cmd_check, "explain": cmd_explain,
+            "diff": cmd_diff, "bisect": cmd_bisect,
             "compile": cmd_compile, "import": cmd_import, "info": cmd_info,
             "anonymize": cmd_anonymize}
 
@@ -447,7 +499,7 @@ COMMANDS = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "bisect": cmd_
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(args_list)
-    if args.command in ("run", "check", "diff", "bisect") and argv is None:
+    if args.command in ("run", "check", "explain", "sweep", "diff", "bisect") and argv is None:
         from .determinism import reexec_with_pinned_seed
 
         reexec_with_pinned_seed(args_list)

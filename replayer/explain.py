@@ -85,10 +85,11 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
     engine = trace.engine
     steps = []
     blocks = unbounded_blocks(trace)
-    steps.append(Counterfactual(
-        "capacity", f"num_gpu_blocks={blocks} (nothing is ever evicted)",
-        "replay with an unbounded KV cache minus the baseline replay",
-        lambda t: _with_engine(t, num_gpu_blocks=blocks)))
+    if blocks > resolved_engine(trace)[0]["num_gpu_blocks"]:
+        steps.append(Counterfactual(
+            "capacity", f"num_gpu_blocks={blocks} (room for every request at once)",
+            "replay with a KV cache that never evicts minus the baseline replay",
+            lambda t: _with_engine(t, num_gpu_blocks=blocks)))
     events = trace.events
     if events is not None and "reset_prefix_cache" in events["action"].to_pylist():
         keep = [a != "reset_prefix_cache" for a in events["action"].to_pylist()]
@@ -254,7 +255,8 @@ def explain(trace: Trace, engine_spec: Any = "installed", *,
                               "others lost count as capacity")
     evidence["unexplained"] = ("reachable minus actual minus every cause above; nonzero is a "
                                "finding")
-    evidence.setdefault("capacity", "")
+    evidence.setdefault("capacity", "the KV cache already holds every request at once: "
+                                    "nothing is ever evicted")
     for c in ("store", "reset", "eagle_drop"):
         evidence.setdefault(c, "no such rule in this geometry or trace: nothing to measure")
     why = {r["id"]: r for r in base.requests}

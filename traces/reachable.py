@@ -67,7 +67,7 @@ class Clock:
     """The replay's step clock for each request: arrival order and steps."""
 
     order: list[str]                       # request ids in the order they were looked up
-    step: dict[str, int]                   # the step of that lookup (non-decreasing in order)
+    step: dict[str, int]                   # the step of that lookup: non-decreasing in order
     finish_step: dict[str, int | None]     # same clock; None: never finished (aborted, ...)
 
 
@@ -177,6 +177,8 @@ def reachable_hits(trace: Trace, clock: Clock | None = None) -> pl.DataFrame:
 
     n = len(clock.order)
     arrivals = np.asarray([clock.step[rid] for rid in clock.order], dtype=np.int64)
+    if np.any(np.diff(arrivals) < 0):
+        raise ValueError("Clock.step must not decrease along Clock.order")
     pos_of = {rid: p for p, rid in enumerate(clock.order)}
     # Trace-only clock: an output is seen by the requests waiting for it (after chains).
     waiters: dict[str, list[str]] = {}

@@ -1,0 +1,70 @@
+"""What-if geometry: ``--set engine.KEY=VALUE`` on a recorded trace.
+
+A trace replays under another engine block (cache size, prefix-match unit,
+retention interval, block size, speculative method, ...) with exactly the
+validation a scenario's ``engine:`` gets: the changed block goes through
+:func:`traces.engine_spec.validate_engine`, so a bad key or value is one
+line naming the option, never a replay that half-runs.
+
+Values are YAML scalars or flow collections (``16``, ``true``, ``null``,
+``{method: eagle, num_speculative_tokens: 1}``, ``[{kind: full_attention}]``);
+``null`` removes the key (vLLM's default). Dotted keys reach into mappings:
+``engine.speculative.num_speculative_tokens=2``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from typing import Any, Sequence
+
+import yaml
+
+from .engine_spec import validate_engine
+from .errors import TraceError
+from .trace import Trace
+
+
+def parse_set(text: str) -> tuple[list[str], Any]:
+    """``engine.a.b=VALUE`` -> (["a", "b"], parsed VALUE)."""
+    where = f"--set {text}"
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise TraceError(where, "expected engine.KEY=VALUE")
+    path = key.strip().split(".")
+    if len(path) < 2 or path[0] != "engine" or not all(path[1:]):
+        raise TraceError(where, "the key must start with 'engine.' (e.g. engine.num_gpu_blocks)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise TraceError(where, f"the value is not YAML: {problem}") from None
+    return path[1:], value
+
+
+def apply_sets(engine: dict[str, Any], sets: Sequence[str]) -> dict[str, Any]:
+    """A validated copy of ``engine`` with every ``--set`` applied in order."""
+    out = copy.deepcopy(dict(engine))
+    for text in sets:
+        path, value = parse_set(text)
+        node = out
+        for k in path[:-1]:
+            child = node.get(k)
+            if child is None:
+                child = node[k] = {}
+            if not isinstance(child, dict):
+                raise TraceError(f"--set {text}", f"engine.{'.'.join(path[:-1])} is not a mapping")
+            node = child
+        if value is None:
+            node.pop(path[-1], None)
+        else:
+            node[path[-1]] = value
+    label = "--set " + " ".join(sets)
+    return validate_engine(label, out)
+
+
+def with_sets(trace: Trace, sets: Sequence[str] | None) -> Trace:
+    """The trace replayed under the changed engine block (unchanged when no sets)."""
+    if not sets:
+        return trace
+    return replace(trace, header={**trace.header, "engine": apply_sets(trace.engine, sets)})
