@@ -105,6 +105,16 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
     set_opt(sw)
 
+    rep = sub.add_parser("report", help="a self-contained HTML page: hit rate over time, "
+                                        "reachable vs actual, lost by cause, per-group hits")
+    rep.add_argument("target", help="scenario .yaml or trace directory")
+    rep.add_argument("-o", "--output", required=True, metavar="OUT.html")
+    rep.add_argument("--sweep", metavar="SWEEP.json",
+                     help="also plot a sweep's hit rate against each swept key "
+                          "(the --json of replayer sweep)")
+    engine_opts(rep)
+    set_opt(rep)
+
     diff = sub.add_parser("diff", help="replay a target on two engines; print what differs")
     diff.add_argument("target", help="scenario .yaml or trace directory")
     diff.add_argument("--engine", action="append", required=True, metavar="SPEC",
@@ -330,6 +340,36 @@ def cmd_sweep(args) -> int:
     return EXIT_OK
 
 
+def cmd_report(args) -> int:
+    from .engines.specs import parse_spec
+    from .explain import explain
+    from .html_report import render_html
+    from .report import write_atomic
+
+    parse_spec(args.engine)
+    sweep = None
+    if args.sweep:
+        try:
+            sweep = json.loads(Path(args.sweep).read_text())
+        except OSError as exc:
+            raise TraceError(args.sweep, f"cannot read ({exc.strerror})") from None
+        except json.JSONDecodeError as exc:
+            raise TraceError(args.sweep, f"invalid JSON: {exc.msg}") from None
+        if not isinstance(sweep, dict) or not isinstance(sweep.get("grid"), list) \
+                or not isinstance(sweep.get("rows"), list):
+            raise TraceError(args.sweep, "not the --json of replayer sweep (grid, rows)")
+    trace = _load_with_sets(args.target, args.set)
+    _note_skipped(trace)
+    _store_spec(args)
+    ex = explain(trace, run=lambda t: _replay(t, args))
+    write_atomic(args.output, render_html(ex, str(args.target), trace.header, sweep))
+    s = ex.summary()
+    print(f"wrote {args.output}: {s['requests']} requests, hit rate {s['hit_rate']:.1%} of "
+          f"reachable {s['reachable_rate']:.1%}" + (f", sweep of {len(sweep['rows'])} point(s)"
+                                                    if sweep else ""))
+    return EXIT_OK
+
+
 def _note_skipped(trace) -> None:
     for part in getattr(trace, "skipped_parts", ()):
         print(f"replayer: note: skipped half-written part {part}", file=sys.stderr)
@@ -545,6 +585,7 @@ def cmd_anonymize(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "check": cmd_check, "explain": cmd_explain, "sweep": cmd_sweep,
+            "report": cmd_report,
             "diff": cmd_diff, "bisect": cmd_bisect,
             "compile": cmd_compile, "import": cmd_import, "info": cmd_info,
             "anonymize": cmd_anonymize}
@@ -553,7 +594,8 @@ COMMANDS = {"run": cmd_run, "check": cmd_check, "explain": cmd_explain, "sweep":
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(args_list)
-    if args.command in ("run", "check", "explain", "sweep", "diff", "bisect") and argv is None:
+    if args.command in ("run", "check", "explain", "sweep", "report", "diff", "bisect") \
+            and argv is None:
         from .determinism import reexec_with_pinned_seed
 
         reexec_with_pinned_seed(args_list)
