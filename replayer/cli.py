@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from traces import TraceError, load_target
 from traces.goldens import compare, select
@@ -178,23 +178,19 @@ def _store_spec(args):
         raise StoreError(str(exc)) from None
 
 
-def _replay(target, args, run=None):
-    """Replay ``target`` on ``run`` (from :func:`replayer.engine_process.replayer`),
-    else on ``--engine``; says each engine note once on stderr."""
+def _replay(target, args, run):
+    """Replay ``target`` on ``run`` (from :func:`replayer.runner.engine_runner`);
+    says each engine note once on stderr."""
     from .progress import ProgressBar
-    from .replay import replay
 
     store = _store_spec(args)
-    if store.host is not None and target.engine.get("connector"):
+    if store.host is not None and target.engine.connector:
         from .store.master import wait_reachable
 
         wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
-        if run is None:
-            result = replay(target, engine_spec=args.engine, progress=bar, store=store)
-        else:
-            result = run(target, progress=bar, store=store)
+        result = run(target, progress=bar, store=store)
     finally:
         bar.close()
     for note in result.notes:
@@ -205,16 +201,17 @@ def _replay(target, args, run=None):
 
 
 def cmd_run(args) -> int:
-    from .report import dumps, run_table, write_atomic
-
     from .engines.specs import parse_spec
+    from .report import dumps, run_table, write_atomic
+    from .runner import engine_runner
 
-    parse_spec(args.engine)                 # a bad spec is reported before anything runs
+    spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
     trace = _load_with_sets(args.target, args.set)
     _note_skipped(trace)
-    if args.store_ops and not trace.engine.get("connector"):
+    if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
-    result = _replay(trace, args)
+    with engine_runner(spec) as run:
+        result = _replay(trace, args, run)
     print(run_table(result))
     if args.store_ops:
         from traces.trace import write_table_atomic
@@ -245,9 +242,9 @@ def _expand_targets(targets: Sequence[str]) -> list[Path]:
 
 
 def cmd_check(args) -> int:
-    from .engine_process import replayer
     from .engines import UnsupportedByEngine
     from .engines.specs import parse_spec
+    from .runner import engine_runner
 
     spec = parse_spec(args.engine)
     paths = _expand_targets(args.targets)
@@ -261,7 +258,7 @@ def cmd_check(args) -> int:
     if args.against == "recorded":
         return _check_recorded(args, traces)
     worst = EXIT_OK
-    with replayer(spec) as run:                     # one engine process for every target
+    with engine_runner(spec) as run:                # one engine process for every target
         for path, trace in traces:
             try:
                 result = _replay(trace, args, run)
@@ -284,14 +281,16 @@ def cmd_explain(args) -> int:
     from .explain import explain
     from .explain_report import render, write_parquet_atomic
     from .report import write_atomic
+    from .runner import engine_runner
 
-    parse_spec(args.engine)
+    spec = parse_spec(args.engine)
     if args.top < 0:
         return _err("--top must be at least 0")
     trace = _load_with_sets(args.target, args.set)
     _note_skipped(trace)
     _store_spec(args)                        # a bad --store is reported before any replay
-    ex = explain(trace, run=lambda t: _replay(t, args))
+    with engine_runner(spec) as run:         # one engine process for every counterfactual
+        ex = explain(trace, run=lambda t: _replay(t, args, run))
     print(render(ex, top=args.top))
     if args.parquet:
         write_parquet_atomic(args.parquet, ex.table)
@@ -345,8 +344,9 @@ def cmd_report(args) -> int:
     from .explain import explain
     from .html_report import render_html
     from .report import write_atomic
+    from .runner import engine_runner
 
-    parse_spec(args.engine)
+    spec = parse_spec(args.engine)
     sweep = None
     if args.sweep:
         try:
@@ -361,7 +361,8 @@ def cmd_report(args) -> int:
     trace = _load_with_sets(args.target, args.set)
     _note_skipped(trace)
     _store_spec(args)
-    ex = explain(trace, run=lambda t: _replay(t, args))
+    with engine_runner(spec) as run:
+        ex = explain(trace, run=lambda t: _replay(t, args, run))
     write_atomic(args.output, render_html(ex, str(args.target), trace.header, sweep))
     s = ex.summary()
     print(f"wrote {args.output}: {s['requests']} requests, hit rate {s['hit_rate']:.1%} of "
@@ -371,9 +372,9 @@ def cmd_report(args) -> int:
 
 
 def _note_skipped(trace) -> None:
-    for part in getattr(trace, "skipped_parts", ()):
+    for part in trace.skipped_parts:
         print(f"replayer: note: skipped half-written part {part}", file=sys.stderr)
-    for note in getattr(trace, "notes", ()):
+    for note in trace.notes:
         print(f"replayer: note: {note}", file=sys.stderr)
 
 
@@ -435,9 +436,9 @@ def _check_one(args, path: Path, trace, result) -> int:
 
 def cmd_diff(args) -> int:
     from .diff import compare_results, diff_table
-    from .engine_process import replayer
     from .engines.specs import parse_spec
     from .report import write_atomic
+    from .runner import engine_runner
 
     if len(args.engine) != 2:
         return _err(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
@@ -445,7 +446,7 @@ def cmd_diff(args) -> int:
     trace = load_target(args.target)
     results = []
     for spec in specs:
-        with replayer(spec) as run:
+        with engine_runner(spec) as run:
             results.append(_replay(trace, args, run))
     d = compare_results(*results)
     print(diff_table(d))
@@ -459,29 +460,26 @@ def cmd_diff(args) -> int:
 
 def cmd_bisect(args) -> int:
     from .bisect import CommitLine, path_report, release_line, search
+    from .runner import engine_runner
 
     trace = load_target(args.target)
+
+    def replay_on(spec):
+        with engine_runner(spec) as run:        # each engine's process ends with its replay
+            return _replay(trace, args, run)
+
     if args.tree is None:
         line = release_line(args.good, args.bad)
-        res = search(line, lambda spec: _replay(trace, args, _one_off(spec)))
+        res = search(line, replay_on)
         print(path_report(res, "releases"))
     else:
         commits = CommitLine(args.tree, args.good, args.bad)
         try:
-            res = search(commits.commits,
-                         lambda c: _replay(trace, args, _one_off(commits.engine(c))))
+            res = search(commits.commits, lambda c: replay_on(commits.engine(c)))
         finally:
             commits.close()
         print(path_report(res, f"commits of {commits.tree}"))
     return EXIT_OK if res.first_bad is not None else EXIT_MISMATCH
-
-
-def _one_off(spec):
-    """A runner for one replay on ``spec`` (its engine process ends with it)."""
-    from .replay import replay
-
-    return lambda trace, progress=None, store=None: replay(
-        trace, engine_spec=spec, progress=progress, store=store)
 
 
 def cmd_compile(args) -> int:
@@ -494,8 +492,8 @@ def cmd_compile(args) -> int:
     return EXIT_OK
 
 
-def _engine_yaml(path: str) -> dict[str, Any]:
-    from traces.engine_spec import validate_engine
+def _engine_yaml(path: str):
+    from traces.engine_spec import EngineBlock
     from traces.scenario import load_yaml
 
     p = Path(path)
@@ -505,7 +503,7 @@ def _engine_yaml(path: str) -> dict[str, Any]:
             raise TraceError(p, f"unknown key {key!r} (an engine file holds only 'engine:')")
     if "engine" not in data:
         raise TraceError(p, "no 'engine:' block")
-    return validate_engine(str(p), data["engine"])
+    return EngineBlock.from_dict(str(p), data["engine"])
 
 
 def cmd_import(args) -> int:
@@ -529,7 +527,7 @@ def cmd_info(args) -> int:
     from traces import schema
 
     trace = load_target(args.target)
-    print(json.dumps(trace.header, indent=2, sort_keys=True))
+    print(trace.header_json(), end="")
     for name in schema.TABLES:
         table = trace.table(name)
         if table is None:

@@ -11,7 +11,7 @@ the previous one, so the causes telescope and add up exactly:
    ``reset_prefix_cache`` events (what the store should have given back);
 3. eagle_drop: without speculative decoding (the EAGLE/MTP drop and its
    lookahead block hashes);
-4. sparse_retention: ``prefix_cache_retention_interval`` unset (vLLM's dense
+4. sparse_retention: ``prefix_cache_retention_interval: null`` (vLLM's dense
    checkpoints for Mamba and sliding-window groups);
 
 then what the last replay still misses of the reachable prefix floored to
@@ -29,7 +29,6 @@ others is eviction, counted as capacity.
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, field, replace
 from math import ceil
@@ -38,9 +37,10 @@ from typing import Any, Callable
 import polars as pl
 
 from traces import Trace
+from traces.engine_spec import RETAIN_DENSE
 from traces.reachable import Clock, prefix_match_unit, reachable_hits
 
-from .replay import ReplayResult, replay, resolved_engine
+from .replay import ReplayResult
 
 CAUSES = ("capacity", "store", "reset", "eagle_drop", "sparse_retention", "sliding_window",
           "alignment", "preemption", "unexplained")
@@ -59,25 +59,22 @@ class Counterfactual:
 
 
 def _with_engine(trace: Trace, **changes: Any) -> Trace:
-    engine = copy.deepcopy(dict(trace.engine))
-    for k, v in changes.items():
-        if v is None:
-            engine.pop(k, None)
-        else:
-            engine[k] = v
-    return replace(trace, header={**trace.header, "engine": engine})
+    """The trace under its engine block with ``changes`` set as a header would say them
+    (validated again; None is a given null)."""
+    return replace(trace, header={**trace.header,
+                                  "engine": trace.engine.with_settings(**changes)})
 
 
 def unbounded_blocks(trace: Trace) -> int:
     """KV blocks for every token of every request at once, in every group."""
-    engine, _, n_spec = resolved_engine(trace)
-    base = int(engine.get("block_size", 16))
-    sizes = [int(g.get("block_size", base)) for g in engine["kv_groups"]]
+    engine = trace.sized_engine()
+    sizes = [g.block_size for g in engine.kv_groups]
     smallest = min(sizes)
+    n_spec = engine.num_speculative_tokens
     rq = trace.requests
     total = sum(ceil((p + o + n_spec + 1) / smallest) + 1
                 for p, o in zip(rq["num_prompt_tokens"].to_pylist(), rq["output_len"].to_pylist()))
-    return max(int(engine["num_gpu_blocks"]), total * len(sizes) + 64)
+    return max(int(engine.num_gpu_blocks), total * len(sizes) + 64)
 
 
 def counterfactuals(trace: Trace) -> list[Counterfactual]:
@@ -85,7 +82,7 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
     engine = trace.engine
     steps = []
     blocks = unbounded_blocks(trace)
-    if blocks > resolved_engine(trace)[0]["num_gpu_blocks"]:
+    if blocks > trace.sized_engine().num_gpu_blocks:
         steps.append(Counterfactual(
             "capacity", f"num_gpu_blocks={blocks} (room for every request at once)",
             "replay with a KV cache that never evicts minus the baseline replay",
@@ -93,7 +90,7 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
     events = trace.events
     if events is not None and "reset_prefix_cache" in events["action"].to_pylist():
         keep = [a != "reset_prefix_cache" for a in events["action"].to_pylist()]
-        connector = bool(engine.get("connector"))
+        connector = bool(engine.connector)
         cause = "store" if connector else "reset"
         evidence = ("replay without the reset_prefix_cache events minus the previous: what the "
                     "store did not give back after a reset (a lookup missed or a key was not "
@@ -105,17 +102,18 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
             return replace(t, events=ev)
         steps.append(Counterfactual(cause, "reset_prefix_cache events removed", evidence,
                                     drop_resets))
-    if engine.get("speculative"):
+    if engine.speculative is not None:
         steps.append(Counterfactual(
             "eagle_drop", "speculative decoding removed",
             "replay without speculative decoding minus the previous (the EAGLE/MTP drop and "
             "its lookahead block hashes)",
             lambda t: _with_engine(t, speculative=None)))
-    kinds = {g["kind"] for g in engine["kv_groups"]}
+    kinds = {g.kind for g in engine.kv_groups}
+    # Omitted, the interval is vLLM's default (0 in 0.33: only the latest boundary).
     if (kinds & {"mamba", "sliding_window"}
-            and engine.get("prefix_cache_retention_interval") is not None):
+            and engine.prefix_cache_retention_interval != RETAIN_DENSE):
         steps.append(Counterfactual(
-            "sparse_retention", "prefix_cache_retention_interval unset (dense checkpoints)",
+            "sparse_retention", "prefix_cache_retention_interval: null (dense checkpoints)",
             "replay with dense Mamba/SWA checkpoints minus the previous, plus what vLLM's "
             "per-group lookup (find_longest_cache_hit_per_group) shows a Mamba group could not "
             "serve on the last replay",
@@ -127,7 +125,7 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
 class Explanation:
     """Per-request accounting and how each cause was measured."""
 
-    engine: dict[str, Any]
+    engine: Any                         # traces.engine_spec.EngineBlock
     unit: int
     hit_alignment: int
     table: pl.DataFrame                 # one row per request, arrival order
@@ -170,27 +168,25 @@ def _clock(result: ReplayResult) -> Clock:
     report their lookups."""
     rows = result.requests
     if result.lookups is None:
-        return Clock(order=[r["id"] for r in rows],
-                     step={r["id"]: r["arrival_step"] for r in rows},
-                     finish_step={r["id"]: (None if r["aborted"] else r["finish_step"])
-                                  for r in rows})
+        return Clock(order=[r.id for r in rows],
+                     step={r.id: r.arrival_step for r in rows},
+                     finish_step={r.id: (None if r.aborted else r.finish_step) for r in rows})
     never = (1 << 62, 0)                      # aborted before any lookup: last
-    order = sorted((result.lookups.get(r["id"], never), k, r["id"]) for k, r in enumerate(rows))
+    order = sorted((result.lookups.get(r.id, never), k, r.id) for k, r in enumerate(rows))
     done = result.finished_engine_step
     return Clock(order=[rid for _, _, rid in order],
                  step={rid: at[0] for at, _, rid in order},
-                 finish_step={r["id"]: (None if r["aborted"] else done.get(r["id"]))
-                              for r in rows})
+                 finish_step={r.id: (None if r.aborted else done.get(r.id)) for r in rows})
 
 
 def _cached(result: ReplayResult) -> dict[str, int]:
-    return {r["id"]: int(r["num_cached_tokens"] or 0) for r in result.requests}
+    return {r.id: int(r.num_cached_tokens or 0) for r in result.requests}
 
 
-def _limiting_kind(request: dict[str, Any], kv_groups: list[dict[str, Any]] | None,
+def _limiting_kind(request: Any, kv_groups: list[dict[str, Any]] | None,
                    actual: int, target: int) -> str:
     """Which cause vLLM's per-group lookup names for a hit short of ``target``."""
-    hits = request.get("group_hits")
+    hits = request.group_hits
     if not hits or not kv_groups:
         return "unexplained"
     low = min(hits)
@@ -204,11 +200,11 @@ def _limiting_kind(request: dict[str, Any], kv_groups: list[dict[str, Any]] | No
     return "unexplained"
 
 
-def explain(trace: Trace, engine_spec: Any = "installed", *,
-            run: Replayer | None = None,
+def explain(trace: Trace, run: Replayer, *,
             progress: Callable[[str], None] | None = None) -> Explanation:
-    """Replay ``trace`` and its counterfactuals; account for every lost token."""
-    run = run or (lambda t: replay(t, engine_spec=engine_spec))
+    """Replay ``trace`` and its counterfactuals with ``run`` (a runner from
+    :func:`replayer.runner.engine_runner`: the one way an engine opens) and
+    account for every lost token."""
     say = progress or (lambda _msg: None)
     say("baseline replay")
     base = run(trace)
@@ -233,7 +229,7 @@ def explain(trace: Trace, engine_spec: Any = "installed", *,
         prev = now
         evidence[step.cause] = step.evidence
         replays.append({"change": step.change, "cause": step.cause, "summary": last.summary()})
-    by_id = {r["id"]: r for r in last.requests}
+    by_id = last.by_id()
     for rid, r in zip(ids, reach["reachable"].to_list()):
         floor = (r // align) * align
         lost["alignment"][rid] = r - floor
@@ -259,13 +255,13 @@ def explain(trace: Trace, engine_spec: Any = "installed", *,
                                     "nothing is ever evicted")
     for c in ("store", "reset", "eagle_drop"):
         evidence.setdefault(c, "no such rule in this geometry or trace: nothing to measure")
-    why = {r["id"]: r for r in base.requests}
+    why = base.by_id()
     frame = reach.with_columns(
         pl.Series("actual", [actual[i] for i in ids], dtype=pl.Int64),
-        pl.Series("arrival_step", [why[i]["arrival_step"] for i in ids], dtype=pl.Int64),
+        pl.Series("arrival_step", [why[i].arrival_step for i in ids], dtype=pl.Int64),
         *[pl.Series(f"lost_{c}", [lost[c][i] for i in ids], dtype=pl.Int64) for c in CAUSES])
     frame = frame.select("id", "arrival_step", "num_prompt_tokens", "reachable", "actual",
                          *[f"lost_{c}" for c in CAUSES], "reachable_from")
-    return Explanation(engine=dict(trace.engine), unit=unit, hit_alignment=align, table=frame,
+    return Explanation(engine=trace.engine, unit=unit, hit_alignment=align, table=frame,
                        evidence={c: evidence[c] for c in CAUSES}, replays=replays,
                        baseline=base)

@@ -59,7 +59,7 @@ def render(ex: Explanation, top: int = 5, rows: int = TABLE_ROWS) -> str:
              .sort(["lost", "arrival_step"], descending=[True, False]).head(top))
     if worst.height:
         out.append(f"top {worst.height} request(s) by lost tokens:")
-    by_id = {r["id"]: r for r in ex.baseline.requests}
+    by_id = ex.baseline.by_id()
     for r in worst.iter_rows(named=True):
         causes = ", ".join(f"{c} {r[f'lost_{c}']}" for c in CAUSES if r[f"lost_{c}"])
         src = f" (from {r['reachable_from']})" if r["reachable_from"] else ""

@@ -86,11 +86,11 @@ def _figures(ex: Explanation, trace_header: dict[str, Any],
     figs.append(("lost-by-cause", fig))
 
     groups = ex.baseline.kv_groups or [{"group": 0, "kind": "full_attention"}]
-    by_id = {r["id"]: r for r in ex.baseline.requests}
+    by_id = ex.baseline.by_id()
     per_group = [0] * len(groups)
     for rid in t["id"].to_list():
         r = by_id[rid]
-        hits = r.get("group_hits") or [r["num_cached_tokens"] or 0] * len(groups)
+        hits = r.group_hits or [r.num_cached_tokens or 0] * len(groups)
         for g, h in enumerate(hits):
             per_group[g] += int(h)
     names = [f"group {g['group']} ({g['kind']})" for g in groups]

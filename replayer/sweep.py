@@ -72,11 +72,12 @@ def run_point(target: str, sets: list[str], engine_spec: str = "installed",
     from traces.what_if import with_sets
 
     from .explain import explain
-    from .replay import replay
+    from .runner import engine_runner
 
     start = time.perf_counter()
     trace = with_sets(load_target(target), [*base, *sets])
-    ex = explain(trace, run=lambda t: replay(t, engine_spec=engine_spec))
+    with engine_runner(engine_spec) as run:
+        ex = explain(trace, run=lambda t: run(t))
     s = ex.summary()
     row: dict[str, Any] = {k.partition("=")[0]: k.partition("=")[2] for k in sets}
     row.update(requests=s["requests"], prompt_tokens=s["prompt_tokens"],

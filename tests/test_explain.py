@@ -10,7 +10,15 @@ import pytest
 
 from helpers_traces import REPO, assert_bad_input, cli
 from traces import load_target
-from replayer.explain import CAUSES, explain
+from replayer.explain import CAUSES
+from replayer.explain import explain as explain_with
+from replayer.runner import engine_runner
+
+
+def explain(trace):
+    """Explained on the installed vLLM, through the one way an engine opens."""
+    with engine_runner() as run:
+        return explain_with(trace, run)
 
 FIXTURES = REPO / "fixtures"
 ALL = sorted([*FIXTURES.glob("scenarios/*.yaml"), *FIXTURES.glob("store/*.yaml"),

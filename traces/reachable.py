@@ -38,11 +38,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
 import polars as pl
 
+from .engine_spec import EngineBlock
 from .materialize import TokenSource, request_rows
 from .tokens import _mix, stream_seed
 from .trace import Trace
@@ -53,13 +52,11 @@ _POS_DOMAIN = np.uint64(0x5EED_0F_0417_0002)
 _BLOCK_DOMAIN = np.uint64(0x5EED_0F_0417_0003)
 
 
-def prefix_match_unit(engine: dict[str, Any]) -> int:
+def prefix_match_unit(engine: EngineBlock) -> int:
     """The granularity of prefix hashes: the PMU, else the block sizes' gcd."""
-    if engine.get("prefix_match_unit"):
-        return int(engine["prefix_match_unit"])
-    base = int(engine.get("block_size", 16))
-    sizes = [int(g.get("block_size", base)) for g in engine.get("kv_groups") or [{}]]
-    return math.gcd(base, *sizes)
+    if engine.prefix_match_unit:
+        return int(engine.prefix_match_unit)
+    return math.gcd(engine.block_size, *[g.block_size for g in engine.kv_groups])
 
 
 @dataclass(frozen=True)

@@ -8,19 +8,19 @@ line naming the option, never a replay that half-runs.
 
 Values are YAML scalars or flow collections (``16``, ``true``, ``null``,
 ``{method: eagle, num_speculative_tokens: 1}``, ``[{kind: full_attention}]``);
-``null`` removes the key (vLLM's default). Dotted keys reach into mappings:
+``null`` is a given null (as in a scenario: for the retention interval,
+dense checkpoints; for ``speculative``, off). Dotted keys reach into mappings:
 ``engine.speculative.num_speculative_tokens=2``.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 from typing import Any, Sequence
 
 import yaml
 
-from .engine_spec import validate_engine
+from .engine_spec import EngineBlock
 from .errors import TraceError
 from .trace import Trace
 
@@ -42,9 +42,10 @@ def parse_set(text: str) -> tuple[list[str], Any]:
     return path[1:], value
 
 
-def apply_sets(engine: dict[str, Any], sets: Sequence[str]) -> dict[str, Any]:
-    """A validated copy of ``engine`` with every ``--set`` applied in order."""
-    out = copy.deepcopy(dict(engine))
+def apply_sets(engine: EngineBlock, sets: Sequence[str]) -> EngineBlock:
+    """``engine`` with every ``--set`` applied in order to what its header said,
+    validated again as a scenario's engine block."""
+    out = engine.to_header()
     for text in sets:
         path, value = parse_set(text)
         node = out
@@ -55,12 +56,9 @@ def apply_sets(engine: dict[str, Any], sets: Sequence[str]) -> dict[str, Any]:
             if not isinstance(child, dict):
                 raise TraceError(f"--set {text}", f"engine.{'.'.join(path[:-1])} is not a mapping")
             node = child
-        if value is None:
-            node.pop(path[-1], None)
-        else:
-            node[path[-1]] = value
+        node[path[-1]] = value
     label = "--set " + " ".join(sets)
-    return validate_engine(label, out)
+    return EngineBlock.from_dict(label, out)
 
 
 def with_sets(trace: Trace, sets: Sequence[str] | None) -> Trace:
