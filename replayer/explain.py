@@ -39,6 +39,7 @@ import polars as pl
 from traces import Trace
 from traces.engine_spec import RETAIN_DENSE
 from traces.reachable import Clock, prefix_match_unit, reachable_hits
+from traces.what_if import with_sets
 
 from .replay import ReplayResult
 
@@ -58,11 +59,9 @@ class Counterfactual:
     apply: Callable[[Trace], Trace]
 
 
-def _with_engine(trace: Trace, **changes: Any) -> Trace:
-    """The trace under its engine block with ``changes`` set as a header would say them
-    (validated again; None is a given null)."""
-    return replace(trace, header={**trace.header,
-                                  "engine": trace.engine.with_settings(**changes)})
+def _with_engine(trace: Trace, sets: list[str]) -> Trace:
+    """The trace under its engine block changed as ``--set`` would change it."""
+    return with_sets(trace, sets)
 
 
 def unbounded_blocks(trace: Trace) -> int:
@@ -86,7 +85,7 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
         steps.append(Counterfactual(
             "capacity", f"num_gpu_blocks={blocks} (room for every request at once)",
             "replay with a KV cache that never evicts minus the baseline replay",
-            lambda t: _with_engine(t, num_gpu_blocks=blocks)))
+            lambda t: _with_engine(t, [f"engine.num_gpu_blocks={blocks}"])))
     events = trace.events
     if events is not None and "reset_prefix_cache" in events["action"].to_pylist():
         keep = [a != "reset_prefix_cache" for a in events["action"].to_pylist()]
@@ -107,7 +106,7 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
             "eagle_drop", "speculative decoding removed",
             "replay without speculative decoding minus the previous (the EAGLE/MTP drop and "
             "its lookahead block hashes)",
-            lambda t: _with_engine(t, speculative=None)))
+            lambda t: _with_engine(t, ["engine.speculative=null"])))
     kinds = {g.kind for g in engine.kv_groups}
     # Omitted, the interval is vLLM's default (0 in 0.33: only the latest boundary).
     if (kinds & {"mamba", "sliding_window"}
@@ -117,7 +116,7 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
             "replay with dense Mamba/SWA checkpoints minus the previous, plus what vLLM's "
             "per-group lookup (find_longest_cache_hit_per_group) shows a Mamba group could not "
             "serve on the last replay",
-            lambda t: _with_engine(t, prefix_cache_retention_interval=None)))
+            lambda t: _with_engine(t, ["engine.prefix_cache_retention_interval=null"])))
     return steps
 
 

@@ -8,14 +8,15 @@ line naming the option, never a replay that half-runs.
 
 Values are YAML scalars or flow collections (``16``, ``true``, ``null``,
 ``{method: eagle, num_speculative_tokens: 1}``, ``[{kind: full_attention}]``);
-``null`` is a given null (as in a scenario: for the retention interval,
-dense checkpoints; for ``speculative``, off). Dotted keys reach into mappings:
+``null`` is a given null where the engine block has a meaning for one (the
+retention interval: dense checkpoints; ``hash_seed``: unset), and otherwise
+leaves the key out (``speculative=null``: no speculative decoding). Dotted keys reach into mappings:
 ``engine.speculative.num_speculative_tokens=2``.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any, Sequence
 
 import yaml
@@ -23,6 +24,15 @@ import yaml
 from .engine_spec import EngineBlock
 from .errors import TraceError
 from .trace import Trace
+
+
+def _takes_null(key: str) -> bool:
+    """Whether a given null means something for this key (the retention interval:
+    dense checkpoints; hash_seed: unset), rather than leaving the key out."""
+    for f in fields(EngineBlock):
+        if f.name == key:
+            return type(None) in f.metadata.get("types", ())
+    return False
 
 
 def parse_set(text: str) -> tuple[list[str], Any]:
@@ -56,7 +66,10 @@ def apply_sets(engine: EngineBlock, sets: Sequence[str]) -> EngineBlock:
             if not isinstance(child, dict):
                 raise TraceError(f"--set {text}", f"engine.{'.'.join(path[:-1])} is not a mapping")
             node = child
-        node[path[-1]] = value
+        if value is None and len(path) == 1 and not _takes_null(path[0]):
+            node.pop(path[0], None)            # left out: vLLM's default (speculative: off)
+        else:
+            node[path[-1]] = value
     label = "--set " + " ".join(sets)
     return EngineBlock.from_dict(label, out)
 
