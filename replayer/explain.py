@@ -239,11 +239,15 @@ def explain(trace: Trace, run: Replayer, *,
             lost[cause][rid] += gap
     evidence["alignment"] = (f"the reachable prefix minus its floor to vLLM's "
                              f"cache_hit_alignment_tokens ({align})")
+    kinds = {g.kind for g in trace.engine.kv_groups}
     evidence.setdefault("sparse_retention", (
         "what vLLM's per-group lookup (find_longest_cache_hit_per_group) on the last replay "
-        "shows a Mamba group could not serve"))
-    evidence["sliding_window"] = ("what vLLM's per-group lookup on the last replay shows a "
-                                  "sliding-window group could not serve")
+        "shows a Mamba group could not serve" if "mamba" in kinds
+        else "no Mamba or sliding-window group in this geometry: nothing to measure"))
+    evidence["sliding_window"] = (
+        "what vLLM's per-group lookup on the last replay shows a sliding-window group could "
+        "not serve" if "sliding_window" in kinds
+        else "no sliding-window group in this geometry: nothing to measure")
     evidence["preemption"] = ("vLLM 0.33 reports a request's first scheduled prefill "
                               "(prefill_stats skips post-preemption repeat prefills), so a "
                               "preemption never changes a reported hit; blocks it freed and "

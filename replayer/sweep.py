@@ -71,6 +71,9 @@ def run_point(target: str, sets: list[str], engine_spec: str = "installed",
     from traces import load_target
     from traces.what_if import with_sets
 
+    from .cli import _quiet_vllm
+
+    _quiet_vllm(os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1")   # a worker, as the CLI
     from .explain import explain
     from .runner import engine_runner
 

@@ -234,23 +234,20 @@ def reachable_hits(trace: Trace, clock: Clock | None = None) -> pl.DataFrame:
                             "h": cat(look_h, np.uint64)})
     seen = pl.DataFrame({"h": cat(seen_h, np.uint64), "vis": cat(seen_vis, np.int64),
                          "src": cat(seen_src, np.int64)})
-    # Each prefix hash: the first arrival position that can see it. A prefix
-    # seen means all its shorter prefixes were seen too, so the longest unit
-    # whose hash is visible is the reachable prefix.
-    first = seen.group_by("h").agg(pl.col("vis").min())
+    # Each prefix hash: the first position that can see it, and the request that
+    # made it visible there. A prefix seen means all its shorter prefixes were
+    # seen too, so the longest unit whose hash is visible is the reachable prefix.
+    first = seen.group_by("h").agg(pl.col("vis").min(),
+                                   pl.col("src").sort_by(["vis", "src"]).first())
     hits = (lookups.join(first, on="h", how="inner")
             .filter(pl.col("vis") <= pl.col("pos"))
-            .group_by("pos").agg(pl.col("k").max().alias("units")))
-    # Which earlier request held that whole prefix (the earliest one).
-    longest = lookups.join(hits, left_on=["pos", "k"], right_on=["pos", "units"], how="inner")
-    holder = (longest.join(seen, on="h", how="inner")
-              .filter(pl.col("vis") <= pl.col("pos"))
-              .group_by("pos").agg(pl.col("src").min()))
+            .sort(["pos", "k"])
+            .group_by("pos", maintain_order=True)
+            .agg(pl.col("k").last().alias("units"), pl.col("src").last()))
     names = pl.DataFrame({"src": np.arange(n, dtype=np.int64), "reachable_from": clock.order})
     base = pl.DataFrame({"pos": np.arange(n, dtype=np.int64), "id": clock.order,
                          "num_prompt_tokens": n_prompt, "cap": caps * unit})
     out = (base.join(hits, on="pos", how="left")
-           .join(holder, on="pos", how="left")
            .join(names, on="src", how="left")
            .with_columns((pl.col("units").fill_null(0) * unit).alias("reachable"))
            .sort("pos"))
