@@ -18,3 +18,10 @@ class TraceError(ValueError):
         if row is not None:
             where += f", row {row}"
         super().__init__(f"{where}: {message}")
+
+
+def require_int(path: object, where: str, value: object, minimum: int) -> int:
+    """``value`` if it is an integer (not a bool) of at least ``minimum``, else bad input."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise TraceError(path, f"{where} must be an integer >= {minimum}, got {value!r}")
+    return value

@@ -18,10 +18,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import schema, store_goldens
+from . import schema
+from .atomic import write_atomic, write_atomic_many
 from .engine_spec import EngineBlock
 from .errors import TraceError
-from .goldens import Goldens, expect_from_table, table_from_expect
+from .golden_kind import GoldenKind
+from .goldens import KINDS, Goldens, kind_of_file
 from .validate import validate_header, validate_table, validate_trace
 from .writer import read_parts
 
@@ -77,15 +79,6 @@ def header_json(header: dict[str, Any]) -> str:
     return json.dumps(header, indent=2, sort_keys=True) + "\n"
 
 
-STORE_GOLDEN_PREFIX = "store-"
-
-
-def golden_file(engine_key: str, store: bool = False) -> str:
-    """File name of one engine's golden table inside ``golden/``."""
-    safe = engine_key.replace("==", "-").replace("/", "_").replace(":", "_")
-    return f"{STORE_GOLDEN_PREFIX if store else ''}{safe}.parquet"
-
-
 def _write_table(path: Path, table: pa.Table) -> None:
     pq.write_table(table, path, compression="zstd")
 
@@ -104,16 +97,10 @@ def write_trace(trace: Trace, out_dir: str | os.PathLike) -> Path:
             table = trace.table(name)
             if table is not None:
                 _write_table(tmp / schema.TABLES[name].file, table)
-        if trace.goldens:
-            (tmp / schema.GOLDEN_DIR).mkdir()
-            for key, expect in sorted(trace.goldens.items()):
-                _write_table(tmp / schema.GOLDEN_DIR / golden_file(key),
-                             table_from_expect(expect, key))
-        if trace.store_goldens:
-            (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
-            for key, expect in sorted(trace.store_goldens.items()):
-                _write_table(tmp / schema.GOLDEN_DIR / golden_file(key, store=True),
-                             store_goldens.to_table(expect, key))
+        for kind in KINDS:
+            for key, expect in sorted(getattr(trace, kind.attr).items()):
+                (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
+                _write_table(tmp / schema.GOLDEN_DIR / kind.file(key), kind.to_table(expect, key))
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             if old.exists():
@@ -131,23 +118,18 @@ def write_trace(trace: Trace, out_dir: str | os.PathLike) -> Path:
 
 def _replace_file(target: Path, table: pa.Table) -> Path:
     """Write ``table`` under a temporary name beside ``target``, then rename it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(fd)
-    try:
-        _write_table(Path(tmp), table)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_atomic(target, lambda tmp: _write_table(tmp, table))
 
 
-def write_golden(trace_dir: str | os.PathLike, engine_key: str, table: pa.Table,
-                 store: bool = False) -> Path:
-    """Replace one engine's golden table (or store golden) in a trace dir, atomically."""
-    gdir = Path(trace_dir) / schema.GOLDEN_DIR
-    return _replace_file(gdir / golden_file(engine_key, store=store), table)
+def golden_path(trace_dir: str | os.PathLike, kind: GoldenKind, key: str) -> Path:
+    """Where one engine's golden of ``kind`` lives in a trace directory."""
+    return Path(trace_dir) / schema.GOLDEN_DIR / kind.file(key)
+
+
+def write_tables(tables: dict[Path, pa.Table]) -> list[Path]:
+    """Replace several tables: all are written before the first is renamed."""
+    return write_atomic_many({path: (lambda tmp, t=table: _write_table(tmp, t))
+                              for path, table in tables.items()})
 
 
 def write_table_atomic(path: str | os.PathLike, spec: schema.Table,
@@ -264,20 +246,16 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
         skipped += got.skipped
         tables["requests"], tables["events"] = _fold_finishes(
             root, tables["requests"], got.table, tables["steps"], tables["events"], notes)
-    goldens: Goldens = {}
-    store_gold: dict[str, Any] = {}
+    goldens: dict[str, dict[str, Any]] = {kind.attr: {} for kind in KINDS}
     gdir = root / schema.GOLDEN_DIR
     if gdir.is_dir():
         for path in sorted(gdir.glob("*.parquet")):
-            is_store = path.name.startswith(STORE_GOLDEN_PREFIX)
-            table = _read_table(path, schema.GOLDEN_STORE if is_store else schema.GOLDEN)
+            kind = kind_of_file(path.name)
+            table = _read_table(path, kind.table)
             meta = table.schema.metadata or {}
             key = meta.get(b"engine", path.stem.encode()).decode()
-            if is_store:
-                store_gold[key] = store_goldens.from_table(table)
-            else:
-                goldens[key] = expect_from_table(table)
-    trace = Trace(header=header, goldens=goldens, store_goldens=store_gold, path=root,
+            goldens[kind.attr][key] = kind.from_table(table)
+    trace = Trace(header=header, **goldens, path=root,
                   skipped_parts=skipped, notes=notes, **tables)  # type: ignore[arg-type]
     validate_trace(root, trace)
     return trace

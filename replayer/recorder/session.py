@@ -11,14 +11,14 @@ belongs to; otherwise those two columns stay null.
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
 from traces import schema
+from traces.atomic import write_atomic
+from traces.trace import header_json
 from traces.writer import PartWriter
 
 RECORD_ENV = "PREFIX_REPLAYER_RECORD_DIR"
@@ -70,13 +70,7 @@ def writer_options() -> dict[str, Any]:
 
 
 def write_header(out: Path, header: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".header.", dir=out)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(json.dumps(header, indent=2, sort_keys=True) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out / schema.HEADER_FILE)
+    write_atomic(out / schema.HEADER_FILE, header_json(header))
 
 
 class SchedulerSession:
