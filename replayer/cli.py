@@ -281,7 +281,7 @@ def cmd_explain(args) -> int:
     from .engines.specs import parse_spec
     from .explain import explain
     from .explain_report import render, write_parquet_atomic
-    from .report import write_atomic
+    from traces.atomic import write_atomic
     from .runner import engine_runner
 
     spec = parse_spec(args.engine)
@@ -305,7 +305,7 @@ def cmd_explain(args) -> int:
 def cmd_sweep(args) -> int:
     from .engines.specs import parse_spec
     from .explain_report import write_parquet_atomic
-    from .report import write_atomic
+    from traces.atomic import write_atomic
     from .sweep import comparable, parse_grid, run_sweep, table_text
 
     parse_spec(args.engine)
@@ -344,7 +344,7 @@ def cmd_report(args) -> int:
     from .engines.specs import parse_spec
     from .explain import explain
     from .html_report import render_html
-    from .report import write_atomic
+    from traces.atomic import write_atomic
     from .runner import engine_runner
 
     spec = parse_spec(args.engine)

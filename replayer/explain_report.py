@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 import polars as pl
+
+from traces.atomic import write_atomic
 
 from .explain import CAUSES, Explanation
 from .report import explain_groups
@@ -73,13 +73,4 @@ def render(ex: Explanation, top: int = 5, rows: int = TABLE_ROWS) -> str:
 
 def write_parquet_atomic(path: str | os.PathLike, frame: pl.DataFrame) -> None:
     """Write ``frame`` so that ``path`` is either untouched or complete."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(fd)
-    try:
-        frame.write_parquet(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda tmp: frame.write_parquet(tmp))

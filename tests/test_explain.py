@@ -8,7 +8,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from helpers_traces import REPO, assert_bad_input, cli
+from conftest import REPO, cli
+from helpers_traces import assert_bad_input
 from traces import load_target
 from replayer.explain import CAUSES
 from replayer.explain import explain as explain_with

@@ -7,7 +7,8 @@ import sys
 
 import polars as pl
 
-from helpers_traces import REPO, write_text
+from conftest import REPO
+from helpers_traces import write_text
 from traces import load_target
 from traces import reachable as reach_mod
 from traces.reachable import Clock, reachable_hits, trace_clock

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from helpers_traces import REPO, cli
+from conftest import REPO, cli
 from replayer.sweep import comparable, parse_grid, run_sweep
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from helpers_traces import REPO, assert_bad_input, cli
+from conftest import REPO, cli
+from helpers_traces import assert_bad_input
 from replayer.sweep import comparable, parse_grid, run_sweep
 
 SCENARIO = """\
