@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	scripts/system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,mooncake]'
+	$(BIN)/pip install --quiet -e '.[test,mooncake,ray]'
 	touch $(STAMP)
 
 # Replay the bundled #51295 fixture through vLLM's real scheduler and check it.
