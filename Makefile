@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	scripts/system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,mooncake]'
+	$(BIN)/pip install --quiet -e '.[test,mooncake,ray]'
 	touch $(STAMP)
 
 $(SERVE_STAMP): scripts/install-serve-venv.sh
