@@ -7,9 +7,9 @@
 #
 # Test files are listed by phase below; a tests/test_*.py not listed runs in
 # "other tests", so none is ever left out. Tests that start a real
-# mooncake_master (-m real_master) run last, inside a private network
-# namespace when we can make one (root + unshare), so nothing they start
-# listens beyond this machine's test.
+# mooncake_master (-m real_master) or a real vllm serve (-m live_server) run
+# last, inside a private network namespace when we can make one (root +
+# unshare), so nothing they start listens beyond this machine's test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -65,7 +65,7 @@ pytest_phase() {  # pytest_phase NAME FILES... (no real_master tests)
   fi
   # 5 (nothing collected) is fine here: a file may hold only real_master tests.
   # shellcheck disable=SC2086
-  ALLOW_EMPTY=1 phase "$name" "$PY" -m pytest -q -m "not real_master" $files "${ARGS[@]}"
+  ALLOW_EMPTY=1 phase "$name" "$PY" -m pytest -q -m "not real_master and not live_server" $files "${ARGS[@]}"
 }
 
 ARGS=("$@")
@@ -78,9 +78,9 @@ for v in ("0.29.0", "0.33.0"):
 real_master() {
   if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null; then
     echo "(inside a private network namespace: unshare -n, ip link set lo up)"
-    unshare -n sh -c "ip link set lo up && exec '$PY' -m pytest -q -m real_master tests/ ${ARGS[*]}"
+    unshare -n sh -c "ip link set lo up && exec '$PY' -m pytest -q -m 'real_master or live_server' tests/ ${ARGS[*]}"
   else
-    "$PY" -m pytest -q -m real_master tests/ "${ARGS[@]}"
+    "$PY" -m pytest -q -m "real_master or live_server" tests/ "${ARGS[@]}"
   fi
 }
 
@@ -105,7 +105,7 @@ pytest_phase "README console blocks (tests/test_readme.py)" $README
 if [ -n "$OTHERS" ]; then
   pytest_phase "other tests: $OTHERS" $OTHERS
 fi
-phase "real-master tests (a real mooncake_master)" real_master
+phase "real-master and live-server tests (a real mooncake_master; a real vllm serve from .venv-serve)" real_master
 }
 
 echo
