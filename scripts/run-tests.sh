@@ -7,9 +7,9 @@
 #
 # Test files are listed by phase below; a tests/test_*.py not listed runs in
 # "other tests", so none is ever left out. Tests that start a real
-# mooncake_master (-m real_master) or a real vllm serve (-m live_server, from
-# .venv-serve) run last, inside a private network namespace when we can make
-# one (root + unshare), so nothing they start listens beyond this machine's test.
+# mooncake_master (-m real_master) or a real vllm serve (-m live_server) run
+# last, inside a private network namespace when we can make one (root +
+# unshare), so nothing they start listens beyond this machine's test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -33,8 +33,8 @@ done
 
 existing() { for f in "$@"; do [ -e "$f" ] && printf '%s ' "$f"; done; }
 
-PHASES=10
-[ -n "$OTHERS" ] && PHASES=11
+PHASES=9
+[ -n "$OTHERS" ] && PHASES=10
 n=0
 summary=()
 failed=0
@@ -56,7 +56,7 @@ phase() {  # phase NAME COMMAND...
   fi
 }
 
-pytest_phase() {  # pytest_phase NAME FILES... (no real_master or live_server tests)
+pytest_phase() {  # pytest_phase NAME FILES... (no real_master tests)
   local name=$1; shift
   local files; files=$(existing "$@")
   if [ -z "$files" ]; then
@@ -65,8 +65,7 @@ pytest_phase() {  # pytest_phase NAME FILES... (no real_master or live_server te
   fi
   # 5 (nothing collected) is fine here: a file may hold only real_master tests.
   # shellcheck disable=SC2086
-  ALLOW_EMPTY=1 phase "$name" "$PY" -m pytest -q -m "not real_master and not live_server" \
-    $files "${ARGS[@]}"
+  ALLOW_EMPTY=1 phase "$name" "$PY" -m pytest -q -m "not real_master and not live_server" $files "${ARGS[@]}"
 }
 
 ARGS=("$@")
@@ -76,16 +75,14 @@ for v in ("0.29.0", "0.33.0"):
     print(f"vllm=={v}: {release_sources(v)}")'
 }
 
-in_netns() {  # in_netns MARKER: pytest -m MARKER in a private network namespace
+real_master() {
   if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null; then
     echo "(inside a private network namespace: unshare -n, ip link set lo up)"
-    unshare -n sh -c "ip link set lo up && exec '$PY' -m pytest -q -m $1 tests/ ${ARGS[*]}"
+    unshare -n sh -c "ip link set lo up && exec '$PY' -m pytest -q -m 'real_master or live_server' tests/ ${ARGS[*]}"
   else
-    "$PY" -m pytest -q -m "$1" tests/ "${ARGS[@]}"
+    "$PY" -m pytest -q -m "real_master or live_server" tests/ "${ARGS[@]}"
   fi
 }
-real_master() { in_netns real_master; }
-live_server() { in_netns live_server; }
 
 # shellcheck disable=SC2086
 {
@@ -108,9 +105,7 @@ pytest_phase "README console blocks (tests/test_readme.py)" $README
 if [ -n "$OTHERS" ]; then
   pytest_phase "other tests: $OTHERS" $OTHERS
 fi
-phase "real-master tests (a real mooncake_master)" real_master
-phase "live-server tests (a real vllm serve from .venv-serve: record, three-way agreement)" \
-  live_server
+phase "real-master and live-server tests (a real mooncake_master; a real vllm serve from .venv-serve)" real_master
 }
 
 echo
