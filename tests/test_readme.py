@@ -145,10 +145,12 @@ def working_copy(dest: Path) -> Path:
     shutil.copytree(REPO, root, ignore=COPY_IGNORE)
     bin_dir = root / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
-    (bin_dir / "python").symlink_to(sys.executable)
-    tool = bin_dir / "replayer"
-    tool.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m replayer "$@"\n')
-    tool.chmod(0o755)
+    # Wrappers, not symlinks: a symlinked interpreter outside its venv finds no
+    # pyvenv.cfg beside it, and so none of the venv's packages.
+    for name, args in (("python", ""), ("replayer", " -m replayer")):
+        tool = bin_dir / name
+        tool.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        tool.chmod(0o755)
     return root
 
 
@@ -216,6 +218,13 @@ def test_console_block(block: Block, tmp_path: Path):
         assert matches(expected, actual), (
             f"{block.id}: `{command}` printed\n" + "\n".join(actual)
             + "\n--- but the README says\n" + "\n".join(expected))
+
+
+def test_the_copy_s_python_has_the_packages(tmp_path):
+    root = working_copy(tmp_path)
+    proc = subprocess.run([str(root / ".venv" / "bin" / "python"), "-c", "import vllm, pyarrow"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_matching_rules():
