@@ -92,6 +92,8 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
         # vLLM validates geometry with ValueError/AssertionError: say it in one line.
         raise EngineError(f"vLLM {version} cannot build this engine: {_first_line(exc)}") from exc
     adapter.info = info
+    # Defaults the replayer chose where vLLM's would be refused are said first.
+    adapter.notes = [*engine.chosen, *adapter.notes]
     return adapter
 
 

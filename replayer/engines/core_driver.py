@@ -42,10 +42,26 @@ from traces.engine_spec import RETAIN_DENSE, EngineBlock
 
 from .base import EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome, StepResult
 
-# The tiny model config directories vLLM reads (no hub): the target and its EAGLE draft.
+# The tiny model config directories vLLM reads (no hub): the target, its EAGLE
+# draft, and an MTP draft (MiMo's architecture, which vLLM turns into mimo_mtp).
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TARGET_MODEL = MODELS / "tiny-llama"
 DRAFT_MODEL = MODELS / "tiny-eagle"
+MTP_DRAFT_MODEL = MODELS / "tiny-mtp"
+
+
+def draft_model(method: str) -> Path:
+    """The draft config vLLM reads for ``method`` (it detects MTP from the config)."""
+    return MTP_DRAFT_MODEL if method == "mtp" else DRAFT_MODEL
+
+
+def set_mtp_modules(modules: int, hf_config: Any) -> Any:
+    """Target ``hf_overrides`` vLLM composes onto the draft's config: the MTP
+    draft's module count (``num_nextn_predict_layers``), which decides
+    multi-module MTP. Module-level for pickling, as vLLM asks."""
+    if getattr(hf_config, "model_type", None) == "mimo_mtp":
+        hf_config.update({"num_nextn_predict_layers": modules, "n_predict": modules})
+    return hf_config
 
 HEAD_SIZE = 4                 # of the largest-block attention group; others scale
 

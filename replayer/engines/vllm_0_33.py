@@ -19,6 +19,7 @@ accepted unless a recorded steps table says otherwise.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,8 +31,8 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpe
 
 from traces.engine_spec import EngineBlock
 
-from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
-                          cache_kwargs, plan_layers, scheduler_kwargs)
+from .core_driver import (TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor, cache_kwargs,
+                          draft_model, plan_layers, scheduler_kwargs, set_mtp_modules)
 
 
 VERSIONS = ("0.33",)          # release range this adapter serves
@@ -79,16 +80,20 @@ def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
 
 def build_vllm_config(engine: EngineBlock) -> VllmConfig:
     """A sized engine block as vLLM's own config objects; vLLM resolves the rest."""
+    spec = engine.speculative
+    overrides = {}
+    if spec is not None and spec.method == "mtp":
+        # vLLM applies a target's callable hf_overrides to the draft's config too.
+        overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
     model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
-                        max_model_len=engine.max_model_len, dtype="float16")
+                        max_model_len=engine.max_model_len, dtype="float16", **overrides)
     parallel = ParallelConfig(distributed_executor_backend=StoreAwareExecutor)
     cache = CacheConfig(**cache_kwargs(engine))
     scheduler = SchedulerConfig(**scheduler_kwargs(engine))
     speculative = None
-    spec = engine.speculative
     if spec is not None:
         speculative = SpeculativeConfig(
-            method=spec.method, model=str(DRAFT_MODEL),
+            method=spec.method, model=str(draft_model(spec.method)),
             num_speculative_tokens=spec.num_speculative_tokens,
             disable_lookahead_block_hashes=spec.disable_lookahead_block_hashes,
             target_model_config=model, target_parallel_config=parallel)
