@@ -33,6 +33,7 @@ after 24577); 0.30.0 and later hit 24448.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,8 +46,8 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpe
 from traces.engine_spec import EngineBlock
 
 from .base import UnsupportedByEngine
-from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
-                          cache_kwargs, plan_layers, scheduler_kwargs)
+from .core_driver import (TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor, cache_kwargs,
+                          draft_model, plan_layers, scheduler_kwargs, set_mtp_modules)
 
 
 VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
@@ -97,8 +98,13 @@ def missing_settings(engine: EngineBlock, version: str) -> list[str]:
 
 def build_vllm_config(engine: EngineBlock, version: str) -> VllmConfig:
     """A sized engine block as these releases' config objects; vLLM resolves the rest."""
+    spec = engine.speculative
+    overrides = {}
+    if spec is not None and spec.method == "mtp":
+        # These releases compose a target's callable hf_overrides onto the draft too.
+        overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
     model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
-                        max_model_len=engine.max_model_len, dtype="float16")
+                        max_model_len=engine.max_model_len, dtype="float16", **overrides)
     parallel = ParallelConfig(distributed_executor_backend=NullExecutor)
     cache_args = cache_kwargs(engine)
     if _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE:
@@ -107,11 +113,10 @@ def build_vllm_config(engine: EngineBlock, version: str) -> VllmConfig:
     cache = CacheConfig(**cache_args)
     scheduler = SchedulerConfig(**scheduler_kwargs(engine))
     speculative = None
-    spec = engine.speculative
     if spec is not None:
         # No disable_lookahead_block_hashes before 0.33: see missing_settings.
         speculative = SpeculativeConfig(
-            method=spec.method, model=str(DRAFT_MODEL),
+            method=spec.method, model=str(draft_model(spec.method)),
             num_speculative_tokens=spec.num_speculative_tokens,
             target_model_config=model, target_parallel_config=parallel)
     config = VllmConfig(model_config=model, cache_config=cache, parallel_config=parallel,
