@@ -24,7 +24,10 @@ reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
   note; one that leaves it off replays exactly.
 * ``Executor.set_kv_cache_layout`` sends only the layout (0.33 adds the
   context-parallel interleave size); the null executor takes either.
-* **No connector replay here yet**: a trace with a KV connector is refused.
+* **Connector replay on 0.32 only.** 0.32's MooncakeStore API is 0.33's, so
+  the store adapter :mod:`.mooncake_0_33` serves it; 0.29's store was
+  rewritten by 0.32 (0.30 and 0.31 not yet read), so a trace with a connector
+  is refused there.
 
 Under the sources of 0.29.0 the #51295 pair shows the production miss as
 upstream reported it (turn 2 hits 23040 after a 24576-token turn 1, and 0
@@ -52,6 +55,7 @@ from .core_driver import (TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor, cac
 
 VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
 SHARED_PREFIX_CHECKPOINT_SINCE = (0, 31)        # CacheConfig.enable_mamba_shared_prefix_checkpoint
+STORE_API_SINCE = (0, 32)                       # mooncake/store as 0.33 has it
 DTYPE = torch.float16
 
 
@@ -96,7 +100,8 @@ def missing_settings(engine: EngineBlock, version: str) -> list[str]:
     return notes
 
 
-def build_vllm_config(engine: EngineBlock, version: str) -> VllmConfig:
+def build_vllm_config(engine: EngineBlock, version: str,
+                      executor: type[NullExecutor] = NullExecutor) -> VllmConfig:
     """A sized engine block as these releases' config objects; vLLM resolves the rest."""
     spec = engine.speculative
     overrides = {}
@@ -105,7 +110,7 @@ def build_vllm_config(engine: EngineBlock, version: str) -> VllmConfig:
         overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
     model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
                         max_model_len=engine.max_model_len, dtype="float16", **overrides)
-    parallel = ParallelConfig(distributed_executor_backend=NullExecutor)
+    parallel = ParallelConfig(distributed_executor_backend=executor)
     cache_args = cache_kwargs(engine)
     if _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE:
         # Not a CacheConfig field before 0.31: see missing_settings.
@@ -119,9 +124,14 @@ def build_vllm_config(engine: EngineBlock, version: str) -> VllmConfig:
             method=spec.method, model=str(draft_model(spec.method)),
             num_speculative_tokens=spec.num_speculative_tokens,
             target_model_config=model, target_parallel_config=parallel)
+    kv_transfer = None
+    if engine.connector:
+        from .mooncake_0_33 import kv_transfer_config
+
+        kv_transfer = kv_transfer_config(engine)
     config = VllmConfig(model_config=model, cache_config=cache, parallel_config=parallel,
                         scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"),
-                        speculative_config=speculative)
+                        speculative_config=speculative, kv_transfer_config=kv_transfer)
     # On a platform vLLM does not know (CPU without its kernels) it turns the
     # hybrid KV-cache manager off; production GPUs keep it on.
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
@@ -130,12 +140,20 @@ def build_vllm_config(engine: EngineBlock, version: str) -> VllmConfig:
 
 def open_engine(engine: EngineBlock, version: str, store: Any = None,
                 record_dir: str | None = None) -> CoreEngine:
-    if engine.connector:
+    if engine.connector and _minor(version) < STORE_API_SINCE:
         raise UnsupportedByEngine(f"connector replay ({engine.connector}) is not supported "
-                                  f"on vLLM {version} yet (it runs on the installed 0.33)")
+                                  f"on vLLM {version} yet (its MooncakeStore API differs from "
+                                  "0.32's and 0.33's, which are replayed)")
     if record_dir is not None:
         raise UnsupportedByEngine(f"recording a replay is not supported on vLLM {version} "
                                   "(the recorder hooks 0.33)")
-    core = CoreEngine(build_vllm_config(engine, version), layer_specs(engine), version)
+    if engine.connector:
+        from .mooncake_0_33 import StoreAwareExecutor, StoreConnectorEngine
+
+        core: CoreEngine = StoreConnectorEngine(
+            build_vllm_config(engine, version, StoreAwareExecutor), layer_specs(engine),
+            version, engine, store)
+    else:
+        core = CoreEngine(build_vllm_config(engine, version), layer_specs(engine), version)
     core.notes = missing_settings(engine, version)
     return core
