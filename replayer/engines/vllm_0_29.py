@@ -48,6 +48,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpe
 
 from traces.engine_spec import EngineBlock
 
+from . import check_connector
 from .base import UnsupportedByEngine
 from .core_driver import (TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor, cache_kwargs,
                           draft_model, plan_layers, scheduler_kwargs, set_mtp_modules)
@@ -55,7 +56,6 @@ from .core_driver import (TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor, cac
 
 VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
 SHARED_PREFIX_CHECKPOINT_SINCE = (0, 31)        # CacheConfig.enable_mamba_shared_prefix_checkpoint
-STORE_API_SINCE = (0, 32)                       # mooncake/store as 0.33 has it
 DTYPE = torch.float16
 
 
@@ -140,10 +140,7 @@ def build_vllm_config(engine: EngineBlock, version: str,
 
 def open_engine(engine: EngineBlock, version: str, store: Any = None,
                 record_dir: str | None = None) -> CoreEngine:
-    if engine.connector and _minor(version) < STORE_API_SINCE:
-        raise UnsupportedByEngine(f"connector replay ({engine.connector}) is not supported "
-                                  f"on vLLM {version} yet (its MooncakeStore API differs from "
-                                  "0.32's and 0.33's, which are replayed)")
+    check_connector(version, engine.connector, f"vllm {version}")
     if record_dir is not None:
         raise UnsupportedByEngine(f"recording a replay is not supported on vLLM {version} "
                                   "(the recorder hooks 0.33)")
