@@ -118,6 +118,13 @@ class EngineBlock:
         "SchedulerConfig flag as recorded; the replay steps synchronously", bool))
     scheduling_policy: str = field(default="fcfs", metadata=_doc(
         "SchedulerConfig.policy: fcfs (default) or priority", str))
+    tensor_parallel_size: int = field(default=1, metadata=_doc(
+        "ParallelConfig.tensor_parallel_size (default 1): only what the scheduler sees; "
+        "a multiple of decode_context_parallel_size", int))
+    decode_context_parallel_size: int = field(default=1, metadata=_doc(
+        "ParallelConfig.decode_context_parallel_size (default 1): DCP shards the KV "
+        "blocks over this many ranks, so vLLM scales the scheduler block and hit "
+        "alignment by it", int))
     vocab_size: int = field(default=DEFAULT_VOCAB_SIZE, metadata=_doc(
         "vocabulary of the synthetic tokens (default 32000)", int))
     connector: str | None = field(default=None, metadata=_doc(
@@ -227,7 +234,8 @@ GROUP_KEYS = tuple(f.name for f in fields(KvGroup))
 _TYPES = {f.name: f.metadata["types"] for f in fields(EngineBlock)
           if f.name not in ("given", "chosen")}
 _INT_KEYS = ("block_size", "prefix_match_unit", "max_num_batched_tokens", "max_num_seqs",
-             "max_model_len", "num_gpu_blocks", "vocab_size", "long_prefill_token_threshold")
+             "max_model_len", "num_gpu_blocks", "vocab_size", "long_prefill_token_threshold",
+             "tensor_parallel_size", "decode_context_parallel_size")
 
 
 def _check_int(where: str, key: str, value: Any, *, minimum: int = 1) -> int:
@@ -331,6 +339,9 @@ def _build(where: str, raw: Any) -> EngineBlock:
         if k not in CONNECTOR_CONFIG_KEYS:
             raise TraceError(where, f"unknown key {k!r} in engine.connector_config "
                                     f"(known: {', '.join(CONNECTOR_CONFIG_KEYS)})")
+    if raw.get("tensor_parallel_size", 1) % raw.get("decode_context_parallel_size", 1):
+        raise TraceError(where, "engine.tensor_parallel_size must be a multiple of "
+                                "engine.decode_context_parallel_size")
     group_default = raw.get("block_size", DEFAULT_BLOCK_SIZE)
     given_groups, groups = _groups(where, raw.get("kv_groups", [{"kind": "full_attention"}]),
                                    group_default)

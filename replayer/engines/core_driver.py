@@ -209,7 +209,11 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
         overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
     model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
                         max_model_len=engine.max_model_len, dtype="float16", **overrides)
-    parallel = ParallelConfig(distributed_executor_backend=executor_cls)
+    # TP/DCP as the scheduler sees them (the null executor stands for every rank).
+    ranks = {k: getattr(engine, k) for k in ("tensor_parallel_size",
+                                              "decode_context_parallel_size")
+             if getattr(engine, k) != 1}
+    parallel = ParallelConfig(distributed_executor_backend=executor_cls, **ranks)
     speculative = None
     if spec is not None:
         speculative = SpeculativeConfig(
