@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from pathlib import Path
 from typing import Any, Iterable
 
 from traces.goldens import Mismatch
@@ -117,16 +115,9 @@ def dumps(result: ReplayResult) -> str:
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` so that ``path`` is either untouched or complete."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from traces.atomic import write_file_atomic
+
+    write_file_atomic(path, text)
 
 
 def lines(items: Iterable[str]) -> str:

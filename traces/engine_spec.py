@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import TraceError
+from .limits import check_engine_bounds, check_int
 
 GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla")
 
@@ -52,8 +53,7 @@ DEFAULT_VOCAB_SIZE = 32000
 
 
 def _check_int(where: str, key: str, value: Any, *, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TraceError(where, f"engine.{key} must be an integer >= {minimum}, got {value!r}")
+    check_int(where, f"engine.{key}", value, minimum)
 
 
 def validate_engine(where: str, engine: Any) -> dict[str, Any]:
@@ -123,6 +123,7 @@ def validate_engine(where: str, engine: Any) -> dict[str, Any]:
         raise TraceError(where, "engine.kv_groups: a model needs at least one attention group "
                                 "beside mamba")
     out["kv_groups"] = norm_groups
+    check_engine_bounds(where, out)     # sizes that would exhaust memory, hash_seed, ...
     spec = out.get("speculative")
     if spec is not None:
         for k in spec:

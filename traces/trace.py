@@ -1,15 +1,14 @@
 """A trace in memory, and reading/writing it as a directory of Parquet tables.
 
-Writes are atomic: a trace directory is built under a temporary name beside the
-target and renamed into place, so a failure never leaves half a trace.
+Writes are atomic (:mod:`traces.atomic`): a trace directory is built under a
+temporary name beside the target and renamed into place, so a failure never
+leaves half a trace, and an existing trace is replaced only when asked.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,9 @@ import pyarrow.parquet as pq
 from . import schema, store_goldens
 from .errors import TraceError
 from .goldens import Goldens, expect_from_table, table_from_results
+from .atomic import output_dir_plan, publish_dir, replace_file_with
+from .limits import MAX_JSON_BYTES, load_json, read_bounded
+from .sanity import check_golden_table
 from .validate import validate_header, validate_table, validate_trace
 from .writer import read_parts
 
@@ -64,58 +66,40 @@ def _write_table(path: Path, table: pa.Table) -> None:
     pq.write_table(table, path, compression="zstd")
 
 
-def write_trace(trace: Trace, out_dir: str | os.PathLike) -> Path:
-    """Write ``trace`` to ``out_dir`` atomically; an existing trace there is replaced."""
+def write_trace(trace: Trace, out_dir: str | os.PathLike, *, force: bool = False,
+                inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Write ``trace`` to ``out_dir`` atomically (see :mod:`traces.atomic`).
+
+    An existing trace there is replaced only with ``force``, a recorded one
+    never; ``inputs`` (the files read) are never written over.
+    """
     out = Path(out_dir)
-    if out.exists() and not (out / schema.HEADER_FILE).exists() and (
-            not out.is_dir() or any(out.iterdir())):
-        raise TraceError(out, "exists and is not a trace directory; refusing to overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        (tmp / schema.HEADER_FILE).write_text(json.dumps(trace.header, indent=2, sort_keys=True) + "\n")
-        for name in schema.TABLES:
-            table = trace.table(name)
-            if table is not None:
-                _write_table(tmp / schema.TABLES[name].file, table)
-        if trace.goldens:
-            (tmp / schema.GOLDEN_DIR).mkdir()
-            for key, expect in sorted(trace.goldens.items()):
-                rows = [{"id": rid, **fields} for rid, fields in expect.items()]
-                _write_table(tmp / schema.GOLDEN_DIR / golden_file(key),
-                             table_from_results(rows, key))
-        if trace.store_goldens:
-            (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
-            for key, expect in sorted(trace.store_goldens.items()):
-                _write_table(tmp / schema.GOLDEN_DIR / golden_file(key, store=True),
-                             store_goldens.to_table(expect, key))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    output_dir_plan(out, force, inputs)
+    return publish_dir(out, lambda tmp: _fill_trace_dir(trace, tmp))
+
+
+def _fill_trace_dir(trace: Trace, tmp: Path) -> None:
+    (tmp / schema.HEADER_FILE).write_text(json.dumps(trace.header, indent=2, sort_keys=True) + "\n")
+    for name in schema.TABLES:
+        table = trace.table(name)
+        if table is not None:
+            _write_table(tmp / schema.TABLES[name].file, table)
+    if trace.goldens:
+        (tmp / schema.GOLDEN_DIR).mkdir()
+        for key, expect in sorted(trace.goldens.items()):
+            rows = [{"id": rid, **fields} for rid, fields in expect.items()]
+            _write_table(tmp / schema.GOLDEN_DIR / golden_file(key),
+                         table_from_results(rows, key))
+    if trace.store_goldens:
+        (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
+        for key, expect in sorted(trace.store_goldens.items()):
+            _write_table(tmp / schema.GOLDEN_DIR / golden_file(key, store=True),
+                         store_goldens.to_table(expect, key))
 
 
 def _replace_file(target: Path, table: pa.Table) -> Path:
     """Write ``table`` under a temporary name beside ``target``, then rename it."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(fd)
-    try:
-        _write_table(Path(tmp), table)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return replace_file_with(target, lambda tmp: _write_table(tmp, table))
 
 
 def write_golden(trace_dir: str | os.PathLike, engine_key: str, table: pa.Table,
@@ -144,10 +128,7 @@ def read_header(trace_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(trace_dir) / schema.HEADER_FILE
     if not path.is_file():
         raise TraceError(trace_dir, f"not a trace directory (no {schema.HEADER_FILE})")
-    try:
-        header = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise TraceError(path, f"invalid JSON: {exc}") from None
+    header = load_json(path, read_bounded(path, MAX_JSON_BYTES, "header"))
     return validate_header(path, header)
 
 
@@ -247,7 +228,8 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
             is_store = path.name.startswith(STORE_GOLDEN_PREFIX)
             table = _read_table(path, schema.GOLDEN_STORE if is_store else schema.GOLDEN)
             meta = table.schema.metadata or {}
-            key = meta.get(b"engine", path.stem.encode()).decode()
+            key = meta.get(b"engine", path.stem.encode()).decode(errors="replace")
+            check_golden_table(path, table, key, golden_file(key, store=is_store))
             if is_store:
                 store_gold[key] = store_goldens.from_table(table)
             else:
