@@ -38,6 +38,12 @@ def _quiet_vllm(verbose: bool) -> None:
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
+def force_opt(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--force", action="store_true",
+                    help="replace an existing trace at -o (never a recorded one; replaced "
+                         "goldens are named on stderr)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replayer", description=(
         "Replay recorded request streams through vLLM's own scheduler and KV-cache "
@@ -92,11 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="compile a scenario into a trace directory")
     comp.add_argument("scenario")
     comp.add_argument("-o", "--output", required=True, help="trace directory to write")
+    force_opt(comp)
 
     imp = sub.add_parser("import", help="import a public trace format")
     imp.add_argument("format", choices=["mooncake"])
     imp.add_argument("file")
     imp.add_argument("-o", "--output", required=True, help="trace directory to write")
+    force_opt(imp)
     imp.add_argument("--limit", type=int, help="only the first N requests")
     imp.add_argument("--engine", metavar="ENGINE.yaml", help="YAML file with an engine: block")
     imp.add_argument("--step-ms", type=int, default=None,
@@ -108,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     anon = sub.add_parser("anonymize", help="replace token ids by block-hash-derived tokens")
     anon.add_argument("target", help="trace directory (or scenario)")
     anon.add_argument("-o", "--output", required=True, help="trace directory to write")
+    force_opt(anon)
     anon.add_argument("--unit", type=int, help="tokens per hashed chunk (default: the largest "
                                                "that divides every block size, the PMU and the "
                                                "lookahead offset of EAGLE's block hashes)")
@@ -138,6 +147,8 @@ def _store_spec(args):
 def _replay(target, args, run=None):
     """Replay ``target`` on ``run`` (from :func:`replayer.engine_process.replayer`),
     else on ``--engine``; says each engine note once on stderr."""
+    from .engines import EngineError
+    from .engines.config_errors import BUILD_FAILED
     from .progress import ProgressBar
     from .replay import replay
 
@@ -152,6 +163,10 @@ def _replay(target, args, run=None):
             result = replay(target, engine_spec=args.engine, progress=bar, store=store)
         else:
             result = run(target, progress=bar, store=store)
+    except EngineError as exc:
+        if BUILD_FAILED in str(exc) and target.path is not None:   # name the file it came from
+            raise TraceError(target.path, str(exc)) from None
+        raise
     finally:
         bar.close()
     for note in result.notes:
@@ -167,12 +182,14 @@ def cmd_run(args) -> int:
     from .engines.specs import parse_spec
 
     parse_spec(args.engine)                 # a bad spec is reported before anything runs
+    _check_outputs(args)                    # and an output that cannot be written
     trace = load_target(args.target)
     _note_skipped(trace)
     if args.store_ops and not trace.engine.get("connector"):
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
+    _check_store_applies(args, [trace])
     result = _replay(trace, args)
-    print(run_table(result))
+    print(run_table(result), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.store_ops:
         from traces.trace import write_table_atomic
         from traces import schema
@@ -185,14 +202,38 @@ def cmd_run(args) -> int:
     return EXIT_OK
 
 
+def _check_outputs(args) -> None:
+    """``--json`` and ``--store-ops`` files that cannot be written fail before the replay."""
+    from traces.atomic import check_output_file
+
+    if getattr(args, "json", None) and args.json != "-":
+        check_output_file(args.json, "--json")
+    if getattr(args, "store_ops", None):
+        check_output_file(args.store_ops, "--store-ops")
+
+
+def _check_store_applies(args, traces) -> None:
+    """``--store``/``--store-capacity`` only mean something for a trace with a connector."""
+    if args.store == "memory" and args.store_capacity is None:
+        return
+    _store_spec(args)                       # a bad value is named first
+    if not any(t.engine.get("connector") for t in traces):
+        what = "--store " + args.store if args.store != "memory" else "--store-capacity"
+        where = traces[0].path if len(traces) == 1 else "the targets"
+        raise TraceError(where, f"{what} applies to a trace with engine.connector, and "
+                                f"{'it has' if len(traces) == 1 else 'none has'} none")
+
+
 def _expand_targets(targets: Sequence[str]) -> list[Path]:
     """Folders that are not traces expand to the scenarios and traces inside."""
     out: list[Path] = []
     for t in targets:
         p = Path(t)
         if p.is_dir() and not (p / "header.json").exists():
-            found = sorted(q for q in p.rglob("*") if q.suffix in (".yaml", ".yml")
+            found = sorted(q for q in p.rglob("*") if (q.suffix in (".yaml", ".yml")
                            or (q.is_dir() and (q / "header.json").exists()))
+                           # dot-names: temporaries of a killed import, hidden folders
+                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
             if not found:
                 raise TraceError(p, "holds no scenario (.yaml) or trace directory")
             out.extend(found)
@@ -209,6 +250,7 @@ def cmd_check(args) -> int:
     spec = parse_spec(args.engine)
     paths = _expand_targets(args.targets)
     traces = [(p, load_target(p)) for p in paths]   # all bad input is reported before any replay
+    _check_store_applies(args, [t for _, t in traces])
     for _, trace in traces:
         _note_skipped(trace)
     if args.against == "recorded":
@@ -297,13 +339,15 @@ def cmd_diff(args) -> int:
     if len(args.engine) != 2:
         return _err(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
     specs = [parse_spec(e) for e in args.engine]
+    _check_outputs(args)
     trace = load_target(args.target)
+    _check_store_applies(args, [trace])
     results = []
     for spec in specs:
         with replayer(spec) as run:
             results.append(_replay(trace, args, run))
     d = compare_results(*results)
-    print(diff_table(d))
+    print(diff_table(d), file=sys.stderr if args.json == "-" else sys.stdout)
     text = json.dumps(d.as_dict(), indent=2) + "\n"
     if args.json == "-":
         sys.stdout.write(text)
@@ -316,6 +360,7 @@ def cmd_bisect(args) -> int:
     from .bisect import CommitLine, path_report, release_line, search
 
     trace = load_target(args.target)
+    _check_store_applies(args, [trace])
     if args.tree is None:
         line = release_line(args.good, args.bad)
         res = search(line, lambda spec: _replay(trace, args, _one_off(spec)))
@@ -339,12 +384,23 @@ def _one_off(spec):
         trace, engine_spec=spec, progress=progress, store=store)
 
 
+def _plan_output(args, inputs) -> None:
+    """Refuse a bad ``-o`` before reading anything; say what ``--force`` replaces."""
+    from traces.atomic import clean_stale, output_dir_plan
+
+    for note in output_dir_plan(args.output, args.force, inputs):
+        print(f"replayer: note: {note}", file=sys.stderr)
+    for note in clean_stale(Path(args.output).absolute()):
+        print(f"replayer: note: {note}", file=sys.stderr)
+
+
 def cmd_compile(args) -> int:
     from traces.scenario import compile_scenario
     from traces.trace import write_trace
 
+    _plan_output(args, [args.scenario])
     trace = compile_scenario(args.scenario)
-    out = write_trace(trace, args.output)
+    out = write_trace(trace, args.output, force=args.force, inputs=(args.scenario,))
     print(f"wrote {out} ({trace.requests.num_rows} requests)")
     return EXIT_OK
 
@@ -360,7 +416,11 @@ def _engine_yaml(path: str) -> dict[str, Any]:
             raise TraceError(p, f"unknown key {key!r} (an engine file holds only 'engine:')")
     if "engine" not in data:
         raise TraceError(p, "no 'engine:' block")
-    return validate_engine(str(p), data["engine"])
+    from traces.sanity import check_async_scheduling
+
+    engine = validate_engine(str(p), data["engine"])
+    check_async_scheduling(p, engine, "imported")
+    return engine
 
 
 def cmd_import(args) -> int:
@@ -373,9 +433,10 @@ def cmd_import(args) -> int:
     step_ms = DEFAULT_STEP_MS if args.step_ms is None else args.step_ms
     if step_ms < 1:
         return _err("--step-ms must be at least 1")
+    _plan_output(args, [args.file])
     engine = _engine_yaml(args.engine) if args.engine else None
     trace = import_mooncake(args.file, limit=args.limit, engine=engine, step_ms=step_ms)
-    out = write_trace(trace, args.output)
+    out = write_trace(trace, args.output, force=args.force, inputs=(args.file,))
     print(f"wrote {out} ({trace.requests.num_rows} requests)")
     return EXIT_OK
 
@@ -430,10 +491,12 @@ def cmd_anonymize(args) -> int:
             return _err(f"--secret must be hexadecimal, got {args.secret!r}")
         if not 1 <= len(secret) <= 64:
             return _err("--secret must be 1 to 64 bytes")
+    _plan_output(args, [args.target])
     trace = load_target(args.target)
     _note_skipped(trace)
     unit = args.unit or default_unit(trace.engine)
-    out = write_trace(anonymize(trace, unit=unit, secret=secret), args.output)
+    out = write_trace(anonymize(trace, unit=unit, secret=secret), args.output, force=args.force,
+                      inputs=(args.target,))
     print(f"wrote {out} ({trace.requests.num_rows} requests; tokens replaced by ids of "
           f"{unit}-token chunks)")
     return EXIT_OK
@@ -460,6 +523,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except (TraceError, EngineError, ReplayError, StoreError) as exc:
         return _err(str(exc))
+    except OSError as exc:                  # a disk that is full, read-only, gone
+        where = exc.filename or "replayer"
+        return _err(f"{where}: {exc.strerror or exc}")
     except KeyboardInterrupt:
         return 130
 

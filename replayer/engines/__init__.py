@@ -92,8 +92,11 @@ def open_engine(engine: dict[str, Any], max_model_len: int, spec: Any = "install
         else:
             adapter = module.open_engine(engine, max_model_len, version)
     except (ValueError, AssertionError, NotImplementedError) as exc:
-        # vLLM validates geometry with ValueError/AssertionError: say it in one line.
-        raise EngineError(f"vLLM {version} cannot build this engine: {_first_line(exc)}") from exc
+        # vLLM validates geometry with ValueError/AssertionError (pydantic's too):
+        # one line naming the engine field (replayer.engines.config_errors).
+        from .config_errors import describe
+
+        raise EngineError(describe(exc, version)) from exc
     adapter.info = info
     return adapter
 

@@ -369,7 +369,11 @@ class CoreEngine:
         return self._schedule.seconds + self._update.seconds
 
     def close(self) -> None:
+        from traces.writer import RecordingError
+
         try:
             self.core.shutdown()
+        except RecordingError:
+            raise                 # a recorder's last flush failed: the trace is incomplete
         except Exception:  # noqa: BLE001 - shutdown of a null executor has nothing to lose
             pass

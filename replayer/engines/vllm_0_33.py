@@ -185,9 +185,11 @@ class Vllm033Engine(CoreEngine):
                 "lookups": list(ops.lookups), "seconds": self.session.recorder.seconds}
 
     def close(self) -> None:
-        super().close()
-        if self.session is not None:
-            self.session.close()
+        try:
+            super().close()
+        finally:
+            if self.session is not None:
+                self.session.close()
 
 
 def open_engine(engine: dict[str, Any], max_model_len: int, version: str,
