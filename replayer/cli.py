@@ -36,6 +36,8 @@ def _quiet_vllm(verbose: bool) -> None:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     os.environ.setdefault("MC_YLT_LOG_LEVEL", "error")
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    # The recorder logs a failed write at once (a server's log); here the error line says it.
+    logging.getLogger("prefix_replayer.recorder").addHandler(logging.NullHandler())
 
 
 def force_opt(sp: argparse.ArgumentParser) -> None:
@@ -384,13 +386,17 @@ def _one_off(spec):
         trace, engine_spec=spec, progress=progress, store=store)
 
 
-def _plan_output(args, inputs) -> None:
-    """Refuse a bad ``-o`` before reading anything; say what ``--force`` replaces."""
+def _plan_output(args, inputs) -> list[str]:
+    """Refuse a bad ``-o`` before reading anything; the notes to say once written
+    (what ``--force`` replaced, temporaries of killed runs removed)."""
     from traces.atomic import clean_stale, output_dir_plan
 
-    for note in output_dir_plan(args.output, args.force, inputs):
-        print(f"replayer: note: {note}", file=sys.stderr)
-    for note in clean_stale(Path(args.output).absolute()):
+    notes = output_dir_plan(args.output, args.force, inputs)
+    return notes + clean_stale(Path(args.output).absolute())
+
+
+def _say(notes: list[str]) -> None:
+    for note in notes:
         print(f"replayer: note: {note}", file=sys.stderr)
 
 
@@ -398,9 +404,10 @@ def cmd_compile(args) -> int:
     from traces.scenario import compile_scenario
     from traces.trace import write_trace
 
-    _plan_output(args, [args.scenario])
+    notes = _plan_output(args, [args.scenario])
     trace = compile_scenario(args.scenario)
     out = write_trace(trace, args.output, force=args.force, inputs=(args.scenario,))
+    _say(notes)
     print(f"wrote {out} ({trace.requests.num_rows} requests)")
     return EXIT_OK
 
@@ -433,10 +440,11 @@ def cmd_import(args) -> int:
     step_ms = DEFAULT_STEP_MS if args.step_ms is None else args.step_ms
     if step_ms < 1:
         return _err("--step-ms must be at least 1")
-    _plan_output(args, [args.file])
+    notes = _plan_output(args, [args.file])
     engine = _engine_yaml(args.engine) if args.engine else None
     trace = import_mooncake(args.file, limit=args.limit, engine=engine, step_ms=step_ms)
     out = write_trace(trace, args.output, force=args.force, inputs=(args.file,))
+    _say(notes)
     print(f"wrote {out} ({trace.requests.num_rows} requests)")
     return EXIT_OK
 
@@ -491,12 +499,13 @@ def cmd_anonymize(args) -> int:
             return _err(f"--secret must be hexadecimal, got {args.secret!r}")
         if not 1 <= len(secret) <= 64:
             return _err("--secret must be 1 to 64 bytes")
-    _plan_output(args, [args.target])
+    notes = _plan_output(args, [args.target])
     trace = load_target(args.target)
     _note_skipped(trace)
     unit = args.unit or default_unit(trace.engine)
     out = write_trace(anonymize(trace, unit=unit, secret=secret), args.output, force=args.force,
                       inputs=(args.target,))
+    _say(notes)
     print(f"wrote {out} ({trace.requests.num_rows} requests; tokens replaced by ids of "
           f"{unit}-token chunks)")
     return EXIT_OK

@@ -270,7 +270,7 @@ def test_compile_onto_an_existing_trace_needs_force(tmp_path):
     proc = cli("compile", src, "-o", out, "--force")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == [
-        f"replayer: note: replacing the existing trace {out} (--force), its goldens included: "
+        f"replayer: note: replaced the existing trace {out} (--force), its goldens included: "
         "*.parquet"]
     assert not (out / "golden").exists()
 
@@ -346,3 +346,96 @@ def test_outputs_get_the_users_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "out.json").stat().st_mode) == 0o640
+
+
+# --- items 1 and 2: recorder write failures, recording into a used directory -----------
+
+def _enospc(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "part.parquet")
+
+
+def test_a_failed_flush_is_logged_at_once_and_fails_the_stop(tmp_path, monkeypatch, caplog):
+    import time
+
+    from traces import schema
+    from traces import writer as w
+
+    monkeypatch.setattr(w, "write_part", _enospc)
+    pw = w.PartWriter(tmp_path / "rec", schema.STEPS, max_rows=1)
+    pw.append({"step": 0, "id": "a", "num_scheduled_tokens": 5, "num_accepted_tokens": None})
+    deadline = time.monotonic() + 30
+    while not caplog.records and time.monotonic() < deadline:     # the log says it now
+        time.sleep(0.01)
+    assert "No space left on device" in caplog.text and "recording is incomplete" in caplog.text
+    with pytest.raises(w.RecordingError, match="No space left on device"):
+        pw.append({"step": 1, "id": "a", "num_scheduled_tokens": 1, "num_accepted_tokens": None})
+    with pytest.raises(w.RecordingError, match="the recording is incomplete"):
+        pw.close()
+
+
+def test_every_table_gets_its_last_flush_when_one_fails(tmp_path, monkeypatch):
+    from replayer.recorder.session import SchedulerSession
+    from traces import writer as w
+
+    real = w.write_part
+
+    def fail_steps(folder, table, rank, seq):
+        if folder.name == "steps":
+            _enospc()
+        return real(folder, table, rank, seq)
+
+    monkeypatch.setattr(w, "write_part", fail_steps)
+    s = SchedulerSession(str(tmp_path / "rec"))
+    s.writers["steps"].append({"step": 0, "id": "a", "num_scheduled_tokens": 1,
+                               "num_accepted_tokens": None})
+    s.writers["events"].append({"after": None, "at_step": 0, "action": "abort", "target": "a"})
+    with pytest.raises(w.RecordingError, match="steps table failed"):
+        s.close()
+    assert [p.name for p in (tmp_path / "rec" / "events").iterdir()] == [
+        "part-r000-000000.parquet"]
+    assert list((tmp_path / "rec" / "steps").iterdir()) == []      # no half part left
+
+
+def test_recording_into_a_used_directory_is_refused(tmp_path):
+    from replayer.recorder.session import SchedulerSession, StoreSession
+    from traces.writer import RecordingError
+
+    out = make_trace_dir(tmp_path, "old")
+    before = _snapshot(out)
+    with pytest.raises(RecordingError, match=r"is not empty \(holds events.parquet, golden, header.json, requests.parquet\); record each run into a new, empty directory"):
+        SchedulerSession(str(out))
+    with pytest.raises(RecordingError, match=r"already holds a recording \(header.json\)"):
+        StoreSession(str(out), 0)
+    assert _snapshot(out) == before
+    (tmp_path / "new" / "store_ops").mkdir(parents=True)   # a worker rank started first: fine
+    SchedulerSession(str(tmp_path / "new")).close()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only file system (root: a tmpfs mounted ro), else a directory we cannot write."""
+    import subprocess
+
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                       check=True)
+        yield path
+        subprocess.run(["umount", str(path)], check=True)
+    else:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+
+
+def test_recording_into_a_read_only_directory_is_one_line(read_only_dir):
+    from replayer.recorder.session import SchedulerSession
+    from traces.writer import RecordingError
+
+    with pytest.raises(RecordingError) as info:
+        SchedulerSession(str(read_only_dir / "rec"))
+    assert len(str(info.value).splitlines()) == 1
+    assert "cannot record here (" in str(info.value) and str(read_only_dir) in str(info.value)

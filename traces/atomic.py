@@ -146,7 +146,7 @@ def output_dir_plan(out: str | os.PathLike, force: bool,
                     inputs: Iterable[str | os.PathLike] = ()) -> list[str]:
     """Whether a trace may be written to ``out``; raises TraceError if not.
 
-    Returns notes to say first (what ``force`` is about to replace).
+    Returns notes to say once the new trace is written (what ``force`` replaced).
     """
     p = Path(out)
     full = p.resolve()
@@ -174,7 +174,7 @@ def output_dir_plan(out: str | os.PathLike, force: bool,
         raise TraceError(p, "exists; pass --force to replace it")
     goldens = sorted(q.name for q in (p / "golden").glob("*.parquet")) if (
         p / "golden").is_dir() else []
-    note = f"replacing the existing trace {p} (--force)"
+    note = f"replaced the existing trace {p} (--force)"
     if goldens:
         note += f", its goldens included: {', '.join(goldens)}"
     return [note]

@@ -90,8 +90,8 @@ def load_json(path: Path, data: bytes | str, *, row: int | None = None) -> Any:
     try:
         value = json.loads(data)
     except json.JSONDecodeError as exc:
-        raise TraceError(path, f"invalid JSON ({exc.msg} at line {exc.lineno} column "
-                               f"{exc.colno})", row=row) from None
+        at = f" at line {exc.lineno} column {exc.colno}" if row is None else ""
+        raise TraceError(path, f"invalid JSON ({exc.msg}{at})", row=row) from None
     except UnicodeDecodeError as exc:
         raise TraceError(path, f"not UTF-8 text (byte {exc.start}: {exc.reason})",
                          row=row) from None

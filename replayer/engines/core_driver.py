@@ -374,6 +374,11 @@ class CoreEngine:
         try:
             self.core.shutdown()
         except RecordingError:
-            raise                 # a recorder's last flush failed: the trace is incomplete
+            # A recorder's last flush failed: the trace is incomplete. vLLM's shutdown
+            # stopped at the scheduler; undo its gc.freeze() as it would have.
+            import gc
+
+            gc.unfreeze()
+            raise
         except Exception:  # noqa: BLE001 - shutdown of a null executor has nothing to lose
             pass
