@@ -9,13 +9,12 @@ EngineCore step wrapper. Used only by ``replay_conversation.py``.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 
 
 def bare_loop(trace):
     t0 = time.perf_counter()
-    from replayer.determinism import engine_hash_seed
-    from replayer.engines import open_engine
-    from replayer.replay import resolved_engine
+    from replayer.runner import engine_here
     from traces.materialize import TokenSource, request_rows
 
     from vllm.sampling_params import SamplingParams
@@ -23,9 +22,9 @@ def bare_loop(trace):
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request
 
-    engine_cfg, max_len, n_spec = resolved_engine(trace)
-    with engine_hash_seed(engine_cfg):
-        eng = open_engine(engine_cfg, max_len)
+    n_spec = trace.engine.num_speculative_tokens
+    opened = ExitStack()
+    eng = opened.enter_context(engine_here(trace))      # closed at the end
     core = eng.core
     sched = eng.scheduler
     hasher = core.request_block_hasher
@@ -93,5 +92,5 @@ def bare_loop(trace):
                     cached += o.prefill_stats.num_cached_tokens
         clock += 1
         steps += 1
-    eng.close()
+    opened.close()
     return steps, round(cached / prompt, 6) if prompt else 0.0, vllm_s, startup

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,10 +54,8 @@ def _du(path: Path) -> int:
 def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
     _setup()
     from traces import load_target
-    from replayer.determinism import engine_hash_seed
-    from replayer.engines import EngineInfo, installed_vllm_version
-    from replayer.engines.vllm_0_33 import Vllm033Engine
-    from replayer.replay import replay, resolved_engine
+    from replayer.replay import replay
+    from replayer.runner import engine_here
     from replayer.store import StoreSpec
 
     from replayer.recorder import scheduler as rec_sched
@@ -83,12 +82,10 @@ def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
 
     rec_session.SchedulerSession.__init__ = keep
     trace = load_target(trace_dir)
-    engine, max_len, _ = resolved_engine(trace)
-    store = StoreSpec("memory") if engine.get("connector") else None
-    with engine_hash_seed(engine):
-        adapter = Vllm033Engine(engine, max_len, installed_vllm_version(), store=store,
-                                record_dir=out_dir if mode == "record" else None)
-    adapter.info = EngineInfo(vllm=installed_vllm_version())
+    store = StoreSpec("memory") if trace.engine.connector else None
+    opened = ExitStack()
+    adapter = opened.enter_context(engine_here(
+        trace, store=store, record_dir=out_dir if mode == "record" else None))
     step = adapter.step
     spent = [0.0, 0.0]
 
@@ -102,9 +99,9 @@ def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
 
     adapter.step = timed_step
     t0 = time.perf_counter()
-    result = replay(trace, engine=adapter)
+    result = replay(trace, adapter)
     t_close = time.perf_counter()
-    adapter.close()                    # the recorder's last flush happens here
+    opened.close()                     # the recorder's last flush happens here
     close_s = time.perf_counter() - t_close
     return {"step_s": spent[0], "step_cpu_s": spent[1], "loop_s": t_close - t0,
             "close_s": close_s, "hook_step_s": hook_s["step"], "hook_add_s": hook_s["add"],
@@ -131,7 +128,7 @@ def _fidelity(trace_dir: Path) -> str:
             "logging.getLogger('vllm').setLevel(logging.ERROR); "
             "from traces.trace import read_trace; from replayer.fidelity import check_against_recorded; "
             "from replayer.store import StoreSpec; t = read_trace(%r); "
-            "s = StoreSpec('memory') if t.engine.get('connector') else None; "
+            "s = StoreSpec('memory') if t.engine.connector else None; "
             "lines, ok, _ = check_against_recorded(t, store=s); print(lines[0])") % (str(ROOT), str(trace_dir))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**os.environ, "PYTHONHASHSEED": "0"})

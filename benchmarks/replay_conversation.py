@@ -58,11 +58,11 @@ def _child(mode: str, trace_dir: str) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
     from traces import read_trace
-    from replayer.replay import replay
+    from replayer.runner import replay_on
 
     trace = read_trace(trace_dir)
     if mode == "replayer":
-        result = replay(trace)
+        result = replay_on(trace)
         s = result.summary()
         vllm_s = result.timings["vllm_s"]
         steps = s["steps"]

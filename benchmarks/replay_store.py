@@ -43,13 +43,13 @@ def _child(backend: str, trace_dir: str) -> dict:
                  "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "3"}.items():
         os.environ.setdefault(k, v)
     sys.path.insert(0, str(ROOT))
-    from replayer.replay import replay
+    from replayer.runner import replay_on
     from replayer.store import StoreSpec
     from traces import read_trace
 
     # A pool larger than everything written: neither backend evicts, so both
     # must agree exactly (Mooncake's eviction order is its own).
-    result = replay(read_trace(trace_dir), store=StoreSpec(backend, capacity_bytes=POOL_BYTES))
+    result = replay_on(read_trace(trace_dir), store=StoreSpec(backend, capacity_bytes=POOL_BYTES))
     rows = result.store["rows"]
     wall = time.perf_counter() - t0
     puts = [r for r in rows if r["op"] == "put" and r["result"] >= 0]

@@ -26,13 +26,14 @@ import numpy as np
 import pyarrow as pa
 
 from traces import Trace
+from traces.engine_spec import EngineBlock
 from traces.materialize import TokenSource
 from traces.tokens import block_tokens
 
 ID_MASK = (1 << 63) - 1
 
 
-def lookahead_tokens(engine: dict) -> int:
+def lookahead_tokens(engine: EngineBlock) -> int:
     """Tokens after each block that vLLM (0.33 on) folds into the block's hash.
 
     EAGLE's lookahead block hashes (on unless disabled, and off with a KV
@@ -40,22 +41,21 @@ def lookahead_tokens(engine: dict) -> int:
     block hits depends on one token past it; MTP's multi-module chains read
     ``num_speculative_tokens`` ahead. Mirrors ``VllmConfig.num_hash_lookahead_tokens``.
     """
-    spec = engine.get("speculative")
-    if (not spec or spec.get("disable_lookahead_block_hashes") or engine.get("connector")
-            or engine.get("enable_prefix_caching") is False):
+    spec = engine.speculative
+    if (spec is None or spec.disable_lookahead_block_hashes or engine.connector
+            or not engine.enable_prefix_caching):
         return 0
-    return int(spec.get("num_speculative_tokens", 1)) if spec.get("method") == "mtp" else 1
+    return spec.num_speculative_tokens if spec.method == "mtp" else 1
 
 
-def default_unit(engine: dict) -> int:
+def default_unit(engine: EngineBlock) -> int:
     """The largest chunk that divides every block size, the prefix-match unit and,
     with lookahead hashes, the offset of the lookahead tokens past each block:
     a chunk boundary must fall everywhere a hash of vLLM's ends, or two
     anonymised prompts could differ where the originals agreed."""
-    sizes = [int(engine.get("block_size", 16))]
-    sizes += [int(g["block_size"]) for g in engine["kv_groups"] if "block_size" in g]
-    if engine.get("prefix_match_unit"):
-        sizes.append(int(engine["prefix_match_unit"]))
+    sizes = [engine.block_size, *(g.block_size for g in engine.kv_groups)]
+    if engine.prefix_match_unit:
+        sizes.append(engine.prefix_match_unit)
     ahead = lookahead_tokens(engine)
     if ahead:
         sizes.append(ahead)
@@ -77,7 +77,7 @@ def anonymize(trace: Trace, unit: int | None = None, secret: bytes | None = None
     engine = trace.engine
     unit = unit or default_unit(engine)
     key = secret if secret is not None else os.urandom(32)
-    vocab = int(engine.get("vocab_size", 32000))
+    vocab = engine.vocab_size
     rq = trace.requests
     src = TokenSource(trace.header, rq)
     out_len = rq["output_len"].to_pylist()

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from traces import TraceError, load_target
 from traces.goldens import compare, select
@@ -146,25 +146,21 @@ def _store_spec(args):
         raise StoreError(str(exc)) from None
 
 
-def _replay(target, args, run=None):
-    """Replay ``target`` on ``run`` (from :func:`replayer.engine_process.replayer`),
-    else on ``--engine``; says each engine note once on stderr."""
+def _replay(target, args, run):
+    """Replay ``target`` on ``run`` (from :func:`replayer.runner.engine_runner`);
+    says each engine note once on stderr."""
     from .engines import EngineError
     from .engines.config_errors import BUILD_FAILED
     from .progress import ProgressBar
-    from .replay import replay
 
     store = _store_spec(args)
-    if store.host is not None and target.engine.get("connector"):
+    if store.host is not None and target.engine.connector:
         from .store.master import wait_reachable
 
         wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
-        if run is None:
-            result = replay(target, engine_spec=args.engine, progress=bar, store=store)
-        else:
-            result = run(target, progress=bar, store=store)
+        result = run(target, progress=bar, store=store)
     except EngineError as exc:
         if BUILD_FAILED in str(exc) and target.path is not None:   # name the file it came from
             raise TraceError(target.path, str(exc)) from None
@@ -179,18 +175,19 @@ def _replay(target, args, run=None):
 
 
 def cmd_run(args) -> int:
-    from .report import dumps, run_table, write_atomic
-
     from .engines.specs import parse_spec
+    from .report import dumps, run_table, write_atomic
+    from .runner import engine_runner
 
-    parse_spec(args.engine)                 # a bad spec is reported before anything runs
+    spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
     _check_outputs(args)                    # and an output that cannot be written
     trace = load_target(args.target)
     _note_skipped(trace)
-    if args.store_ops and not trace.engine.get("connector"):
+    if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
     _check_store_applies(args, [trace])
-    result = _replay(trace, args)
+    with engine_runner(spec) as run:
+        result = _replay(trace, args, run)
     print(run_table(result), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.store_ops:
         from traces.trace import write_table_atomic
@@ -219,7 +216,7 @@ def _check_store_applies(args, traces) -> None:
     if args.store == "memory" and args.store_capacity is None:
         return
     _store_spec(args)                       # a bad value is named first
-    if not any(t.engine.get("connector") for t in traces):
+    if not any(t.engine.connector for t in traces):
         what = "--store " + args.store if args.store != "memory" else "--store-capacity"
         where = traces[0].path if len(traces) == 1 else "the targets"
         raise TraceError(where, f"{what} applies to a trace with engine.connector, and "
@@ -245,9 +242,9 @@ def _expand_targets(targets: Sequence[str]) -> list[Path]:
 
 
 def cmd_check(args) -> int:
-    from .engine_process import replayer
     from .engines import UnsupportedByEngine
     from .engines.specs import parse_spec
+    from .runner import engine_runner
 
     spec = parse_spec(args.engine)
     paths = _expand_targets(args.targets)
@@ -258,7 +255,7 @@ def cmd_check(args) -> int:
     if args.against == "recorded":
         return _check_recorded(args, traces)
     worst = EXIT_OK
-    with replayer(spec) as run:                     # one engine process for every target
+    with engine_runner(spec) as run:                # one engine process for every target
         for path, trace in traces:
             try:
                 result = _replay(trace, args, run)
@@ -270,9 +267,9 @@ def cmd_check(args) -> int:
 
 
 def _note_skipped(trace) -> None:
-    for part in getattr(trace, "skipped_parts", ()):
+    for part in trace.skipped_parts:
         print(f"replayer: note: skipped half-written part {part}", file=sys.stderr)
-    for note in getattr(trace, "notes", ()):
+    for note in trace.notes:
         print(f"replayer: note: {note}", file=sys.stderr)
 
 
@@ -334,9 +331,9 @@ def _check_one(args, path: Path, trace, result) -> int:
 
 def cmd_diff(args) -> int:
     from .diff import compare_results, diff_table
-    from .engine_process import replayer
     from .engines.specs import parse_spec
     from .report import write_atomic
+    from .runner import engine_runner
 
     if len(args.engine) != 2:
         return _err(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
@@ -346,7 +343,7 @@ def cmd_diff(args) -> int:
     _check_store_applies(args, [trace])
     results = []
     for spec in specs:
-        with replayer(spec) as run:
+        with engine_runner(spec) as run:
             results.append(_replay(trace, args, run))
     d = compare_results(*results)
     print(diff_table(d), file=sys.stderr if args.json == "-" else sys.stdout)
@@ -360,30 +357,27 @@ def cmd_diff(args) -> int:
 
 def cmd_bisect(args) -> int:
     from .bisect import CommitLine, path_report, release_line, search
+    from .runner import engine_runner
 
     trace = load_target(args.target)
     _check_store_applies(args, [trace])
+
+    def replay_on(spec):
+        with engine_runner(spec) as run:        # each engine's process ends with its replay
+            return _replay(trace, args, run)
+
     if args.tree is None:
         line = release_line(args.good, args.bad)
-        res = search(line, lambda spec: _replay(trace, args, _one_off(spec)))
+        res = search(line, replay_on)
         print(path_report(res, "releases"))
     else:
         commits = CommitLine(args.tree, args.good, args.bad)
         try:
-            res = search(commits.commits,
-                         lambda c: _replay(trace, args, _one_off(commits.engine(c))))
+            res = search(commits.commits, lambda c: replay_on(commits.engine(c)))
         finally:
             commits.close()
         print(path_report(res, f"commits of {commits.tree}"))
     return EXIT_OK if res.first_bad is not None else EXIT_MISMATCH
-
-
-def _one_off(spec):
-    """A runner for one replay on ``spec`` (its engine process ends with it)."""
-    from .replay import replay
-
-    return lambda trace, progress=None, store=None: replay(
-        trace, engine_spec=spec, progress=progress, store=store)
 
 
 def _plan_output(args, inputs) -> list[str]:
@@ -412,8 +406,8 @@ def cmd_compile(args) -> int:
     return EXIT_OK
 
 
-def _engine_yaml(path: str) -> dict[str, Any]:
-    from traces.engine_spec import validate_engine
+def _engine_yaml(path: str):
+    from traces.engine_spec import EngineBlock
     from traces.scenario import load_yaml
 
     p = Path(path)
@@ -425,7 +419,7 @@ def _engine_yaml(path: str) -> dict[str, Any]:
         raise TraceError(p, "no 'engine:' block")
     from traces.sanity import check_async_scheduling
 
-    engine = validate_engine(str(p), data["engine"])
+    engine = EngineBlock.from_dict(str(p), data["engine"])
     check_async_scheduling(p, engine, "imported")
     return engine
 
@@ -453,7 +447,7 @@ def cmd_info(args) -> int:
     from traces import schema
 
     trace = load_target(args.target)
-    print(json.dumps(trace.header, indent=2, sort_keys=True))
+    print(trace.header_json(), end="")
     for name in schema.TABLES:
         table = trace.table(name)
         if table is None:

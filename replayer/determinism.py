@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Iterator
 
 INTERPRETER_SEED = "0"
 _CHILD_FLAG = "_PREFIX_REPLAYER_PINNED"
@@ -35,10 +35,9 @@ def reexec_with_pinned_seed(argv: list[str]) -> None:
 
 
 @contextmanager
-def engine_hash_seed(engine: dict[str, Any]) -> Iterator[None]:
-    """Set PYTHONHASHSEED to the trace's ``hash_seed`` (unset when null) meanwhile."""
+def engine_hash_seed(seed: str | None) -> Iterator[None]:
+    """Set PYTHONHASHSEED to the trace's ``engine.hash_seed`` (unset when None) meanwhile."""
     before = os.environ.get("PYTHONHASHSEED")
-    seed = engine.get("hash_seed")
     if seed is None:
         os.environ.pop("PYTHONHASHSEED", None)
     else:

@@ -1,7 +1,7 @@
 """``replayer diff``: one trace on two engines, and only what differs.
 
 The outcome of a request is what its goldens compare: the cached tokens and
-their local/external split (:data:`OUTCOME_FIELDS`). :func:`compare_results`
+their local/external split (:meth:`RequestOutcome.hits`). :func:`compare_results`
 is the one definition of "two engines differ"; ``bisect`` uses it too.
 
 Keys written by only one side (by group and boundary) belong here as well,
@@ -17,8 +17,6 @@ from typing import Any
 
 from .engines import EngineInfo
 from .replay import ReplayResult
-
-OUTCOME_FIELDS = ("num_cached_tokens", "num_local_cached_tokens", "num_external_cached_tokens")
 
 
 @dataclass(frozen=True)
@@ -64,22 +62,18 @@ class EngineDiff:
                 "requests": [d.as_dict() for d in self.differing], "summary": self.summary()}
 
 
-def _outcome(r: dict[str, Any]) -> dict[str, int | None]:
-    return {f: r.get(f) for f in OUTCOME_FIELDS}
-
-
 def compare_results(a: ReplayResult, b: ReplayResult) -> EngineDiff:
     """Every request whose outcome differs between A and B, and the totals."""
-    b_by_id = {r["id"]: r for r in b.requests}
-    if set(b_by_id) != {r["id"] for r in a.requests}:
+    b_by_id = b.by_id()
+    if set(b_by_id) != {r.id for r in a.requests}:
         raise ValueError("the two replays are of different traces")
     differing: list[RequestDiff] = []
     gained = lost = tokens = 0
     for ra in a.requests:
-        oa, ob = _outcome(ra), _outcome(b_by_id[ra["id"]])
+        oa, ob = ra.hits(), b_by_id[ra.id].hits()
         if oa == ob:
             continue
-        d = RequestDiff(ra["id"], oa, ob)
+        d = RequestDiff(ra.id, oa, ob)
         differing.append(d)
         delta = (ob["num_cached_tokens"] or 0) - (oa["num_cached_tokens"] or 0)
         gained += delta > 0

@@ -3,13 +3,15 @@
 Only a fresh interpreter can import another vLLM in place of the installed
 one: Python keeps every imported module, and vLLM imports itself widely. So
 an engine that is not the installed vLLM gets one child process
-(``python -m replayer.engine_process``) whose ``sys.path`` starts with a small
+(``python -m replayer.engine_child``) whose ``sys.path`` starts with a small
 overlay directory: ``vllm`` (a link to the release's or tree's package) and a
 ``vllm-<version>.dist-info`` so that ``importlib.metadata`` agrees with it.
 Everything else (torch, the compiled kernels vLLM never needs here, this
 package) comes from the installed environment. One child serves every replay
-of its :class:`EngineProcess` and sends back the same
-:class:`~replayer.replay.ReplayResult` an in-process replay returns.
+of its :class:`EngineProcess`, builds each engine with the same
+:func:`replayer.runner.replay_here` as an in-process replay, and sends back the
+same :class:`~replayer.replay.ReplayResult`. Only :mod:`replayer.runner`
+starts one.
 
 The child's interpreter hash seed is pinned as the CLI pins its own
 (:mod:`replayer.determinism`), so its output is byte-identical across runs.
@@ -22,7 +24,6 @@ nothing vLLM prints can reach the channel or the parent's ``--json -``.
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 import shutil
@@ -30,35 +31,37 @@ import struct
 import subprocess
 import sys
 import tempfile
-import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable
 
 from traces import Trace
 
 from .determinism import INTERPRETER_SEED
 from .engines import EngineError, UnsupportedByEngine
-from .engines.specs import ResolvedEngine, resolve, runs_in_this_process
+from .engines.specs import ResolvedEngine
+from .replay import ReplayError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _HEADER = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
-class _Job:
+class Job:
+    """One replay the child runs (keyword arguments of runner.replay_here)."""
+
     trace: Trace
     store: Any = None
+    record_dir: str | None = None
 
 
-def _send(stream: BinaryIO, obj: Any) -> None:
+def send(stream: BinaryIO, obj: Any) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_HEADER.pack(len(data)) + data)
     stream.flush()
 
 
-def _recv(stream: BinaryIO) -> Any:
+def recv(stream: BinaryIO) -> Any:
     """The next frame, or None at end of stream."""
     head = stream.read(_HEADER.size)
     if len(head) < _HEADER.size:
@@ -80,9 +83,9 @@ def _stderr_fd() -> int:
 class EngineProcess:
     """One child process that replays traces on a release or a source tree."""
 
-    def __init__(self, spec: Any) -> None:
-        self.engine: ResolvedEngine = resolve(spec)
-        if self.engine.sources is None:
+    def __init__(self, engine: ResolvedEngine) -> None:
+        self.engine = engine
+        if engine.sources is None:
             raise EngineError(f"engine {self.engine.spec!r} is the installed vLLM; "
                               "it replays in this process")
         self.info = self.engine.info
@@ -112,19 +115,19 @@ class EngineProcess:
         read_fd, write_fd = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "replayer.engine_process", str(write_fd)],
+                [sys.executable, "-m", "replayer.engine_child", str(write_fd)],
                 stdin=subprocess.PIPE, stdout=_stderr_fd(), env=env,
                 pass_fds=(write_fd,))
         finally:
             os.close(write_fd)
         self._answers = os.fdopen(read_fd, "rb")
         assert self._proc.stdin is not None
-        _send(self._proc.stdin, self.engine)
+        send(self._proc.stdin, self.engine)
 
     def replay(self, trace: Trace, progress: Callable[[Any], None] | None = None,
-               store: Any = None):
+               store: Any = None, record_dir: str | None = None):
         """Replay ``trace`` in the child; same result and errors as in this process."""
-        connector = trace.engine.get("connector")
+        connector = trace.engine.connector
         if connector:
             raise UnsupportedByEngine(
                 f"{self.info.label}: connector replay ({connector}) runs on the installed "
@@ -132,11 +135,12 @@ class EngineProcess:
         if self._proc is None or self._proc.stdin is None:
             raise EngineError(f"{self.info.label}: the engine process is closed")
         try:
-            _send(self._proc.stdin, _Job(trace, store))
+            send(self._proc.stdin, Job(trace, store, None if record_dir is None
+                                       else str(record_dir)))
         except BrokenPipeError:
             pass                                    # reported below, with the exit code
         while True:
-            frame = _recv(self._answers)
+            frame = recv(self._answers)
             if frame is None:
                 code = self._proc.wait()
                 raise EngineError(f"{self.info.label}: the engine process exited with code "
@@ -174,61 +178,5 @@ class EngineProcess:
 
 def _error_class(name: str) -> type[Exception]:
     """The parent's class for an error the child reported; the message says the rest."""
-    from .replay import ReplayError
-
     return {"UnsupportedByEngine": UnsupportedByEngine,
             "ReplayError": ReplayError}.get(name, EngineError)
-
-
-@contextmanager
-def replayer(spec: Any) -> Iterator[Callable[..., Any]]:
-    """A function replaying traces on ``spec``: in this process for the installed
-    vLLM, else in one child process kept for every call."""
-    from .replay import replay
-
-    if runs_in_this_process(spec):
-        yield lambda trace, progress=None, store=None: replay(
-            trace, engine_spec=spec, progress=progress, store=store)
-        return
-    with EngineProcess(spec) as proc:
-        yield proc.replay
-
-
-# -- the child -------------------------------------------------------------------------
-
-
-def _child(answer_fd: int) -> int:
-    from traces import TraceError
-
-    from .replay import ReplayError, replay
-
-    answers = os.fdopen(answer_fd, "wb")
-    jobs = sys.stdin.buffer
-    # vLLM's own logger follows the level the parent's command line chose.
-    level = os.environ.get("VLLM_LOGGING_LEVEL")
-    if level:
-        logging.getLogger("vllm").setLevel(level.upper())
-    engine = _recv(jobs)
-    bad_input: tuple[type[BaseException], ...] = (TraceError, EngineError, ReplayError)
-    try:
-        from .store import StoreError
-
-        bad_input += (StoreError,)
-    except ImportError:  # pragma: no cover - the store package is optional here
-        pass
-    while True:
-        job = _recv(jobs)
-        if job is None:
-            return 0
-        try:
-            result = replay(job.trace, engine_spec=engine, store=job.store,
-                            progress=lambda p: _send(answers, ("progress", p)))
-            _send(answers, ("result", result))
-        except bad_input as exc:
-            _send(answers, ("error", type(exc).__name__, str(exc)))
-        except BaseException:  # noqa: BLE001 - sent to the parent, which raises it
-            _send(answers, ("crash", traceback.format_exc()))
-
-
-if __name__ == "__main__":
-    sys.exit(_child(int(sys.argv[1])))

@@ -21,9 +21,10 @@ from traces import Trace
 from traces.errors import TraceError
 from traces.trace import read_trace
 
-from .determinism import engine_hash_seed
-from .engines import EngineInfo, installed_vllm_version
-from .replay import ReplayResult, replay, resolved_engine
+from traces.schema import OUTCOME_FIELDS
+
+from .replay import ReplayResult
+from .runner import replay_on
 
 # Store operations compared by key (puts, gets, lookups); their order across a
 # worker's threads and the step a put completes in are not the replay's to pin.
@@ -33,17 +34,7 @@ MAX_LINES = 10
 
 def record_replay(trace: Trace, out_dir: str | Path, store: Any = None) -> ReplayResult:
     """Replay ``trace`` on the installed vLLM with the recorder writing to ``out_dir``."""
-    from .engines.vllm_0_33 import Vllm033Engine
-
-    engine, max_len, _ = resolved_engine(trace)
-    version = installed_vllm_version()
-    with engine_hash_seed(engine):
-        adapter = Vllm033Engine(engine, max_len, version, store=store, record_dir=str(out_dir))
-    adapter.info = EngineInfo(vllm=version)
-    try:
-        return replay(trace, engine=adapter)
-    finally:
-        adapter.close()
+    return replay_on(trace, store=store, record_dir=str(out_dir))
 
 
 def _rows(table, cols: tuple[str, ...]) -> list[tuple]:
@@ -57,8 +48,7 @@ def _rows(table, cols: tuple[str, ...]) -> list[tuple]:
 def compare(recorded: Trace, fresh: Trace) -> list[str]:
     """Differences between a recording and a replay of it, one line each."""
     diffs: list[str] = []
-    cols = ("id", "num_prompt_tokens", "num_cached_tokens", "num_local_cached_tokens",
-            "num_external_cached_tokens")
+    cols = ("id", *OUTCOME_FIELDS)
     want = {r[0]: r for r in _rows(recorded.outcomes, cols)}
     got = {r[0]: r for r in _rows(fresh.outcomes, cols)}
     for rid, row in want.items():

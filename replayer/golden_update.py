@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
-from traces.goldens import ANY_ENGINE, EXPECT_FIELDS, Goldens, table_from_results
+from traces.goldens import (ANY_ENGINE, EXPECT_FIELDS, Goldens, expect_from_results,
+                           table_from_expect)
+from traces.outcome import RequestOutcome
 from traces.trace import write_golden
 
 from .report import write_atomic
@@ -20,18 +21,18 @@ _TOP_KEY = re.compile(r"^[^\s#]")
 
 
 def updated_goldens(goldens: Goldens, golden_key: str,
-                    results: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+                    results: list[RequestOutcome]) -> dict[str, dict[str, int]]:
     """New expectations for ``golden_key``: same requests and fields as before
     where there were some, else ``num_cached_tokens`` of every request."""
-    by_id = {r["id"]: r for r in results}
+    by_id = {r.id: r for r in results}
     old = goldens.get(golden_key)
     if not old:
         # Where a store served hits, the split between GPU and store is the point.
         fields = ["num_cached_tokens"]
-        if any(r.get("num_external_cached_tokens") for r in results):
+        if any(r.num_external_cached_tokens for r in results):
             fields += ["num_local_cached_tokens", "num_external_cached_tokens"]
-        return {r["id"]: {f: r[f] for f in fields} for r in results}
-    return {rid: {f: by_id[rid][f] for f in fields} for rid, fields in old.items()
+        return {r.id: {f: getattr(r, f) for f in fields} for r in results}
+    return {rid: {f: getattr(by_id[rid], f) for f in fields} for rid, fields in old.items()
             if rid in by_id}
 
 
@@ -76,7 +77,7 @@ def rewrite_scenario_block(path: Path, name: str, block: str) -> None:
 
 
 def update(trace_path: Path, is_scenario: bool, goldens: Goldens, golden_key: str,
-           engine_key: str, results: list[dict[str, Any]]) -> tuple[str, str]:
+           engine_key: str, results: list[RequestOutcome]) -> tuple[str, str]:
     """Write new goldens; returns (the golden key written, where it went)."""
     if is_scenario:
         key = golden_key if golden_key in goldens else (
@@ -85,5 +86,6 @@ def update(trace_path: Path, is_scenario: bool, goldens: Goldens, golden_key: st
         new[key] = updated_goldens(goldens, key, results)
         rewrite_scenario_expect(trace_path, new)
         return key, f"{trace_path} (expect:)"
-    target = write_golden(trace_path, engine_key, table_from_results(results, engine_key))
+    target = write_golden(trace_path, engine_key,
+                          table_from_expect(expect_from_results(results), engine_key))
     return engine_key, str(target)

@@ -6,7 +6,10 @@ import json
 import os
 from typing import Any, Iterable
 
+from traces.engine_spec import EngineBlock
 from traces.goldens import Mismatch
+from traces.outcome import RequestOutcome
+from traces.schema import OUTCOME_FIELDS
 
 from .replay import ReplayResult
 
@@ -18,12 +21,11 @@ def _fmt(v: Any) -> str:
 
 
 def run_table(result: ReplayResult, limit: int = TABLE_LIMIT) -> str:
-    cols = ("id", "num_prompt_tokens", "num_cached_tokens", "num_local_cached_tokens",
-            "num_external_cached_tokens", "arrival_step", "finish_step")
+    cols = ("id", *OUTCOME_FIELDS, "arrival_step", "finish_step")
     heads = ("request", "prompt", "cached", "local", "external", "arrived", "finished")
     rows = result.requests
     shown = rows if len(rows) <= limit else rows[: limit // 2] + rows[-limit // 2:]
-    cells = [[_fmt(r[c]) for c in cols] for r in shown]
+    cells = [[_fmt(getattr(r, c)) for c in cols] for r in shown]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
     line = lambda vals: "  ".join(  # noqa: E731
         v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
@@ -40,7 +42,7 @@ def run_table(result: ReplayResult, limit: int = TABLE_LIMIT) -> str:
     return "\n".join(out)
 
 
-def explain_gap(expected: int, actual: int, engine: dict[str, Any]) -> str:
+def explain_gap(expected: int, actual: int, engine: EngineBlock) -> str:
     """Say the shortfall in the units that cause misses: blocks and PMUs."""
     gap = expected - actual
     if gap == 0:
@@ -48,8 +50,8 @@ def explain_gap(expected: int, actual: int, engine: dict[str, Any]) -> str:
     word = "short" if gap > 0 else "over"
     gap = abs(gap)
     parts = []
-    block = engine.get("block_size")
-    pmu = engine.get("prefix_match_unit", block)
+    block = engine.block_size
+    pmu = engine.prefix_match_unit or block
     if block and gap % block == 0:
         parts.append(f"{gap // block} block(s) of {block}")
     if pmu and pmu != block and gap % pmu == 0:
@@ -62,17 +64,17 @@ def explain_gap(expected: int, actual: int, engine: dict[str, Any]) -> str:
 
 
 def check_report(target: str, engine_key: str, golden_key: str, mismatches: list[Mismatch],
-                 result: ReplayResult, engine: dict[str, Any], checked: int) -> str:
+                 result: ReplayResult, engine: EngineBlock, checked: int) -> str:
     golden_key = "any engine" if golden_key == "*" else golden_key
     if not mismatches:
         return (f"PASS {target}: {checked} request(s) match the goldens for {golden_key} "
                 f"(engine {engine_key})")
     out = [f"FAIL {target}: {len(mismatches)} mismatch(es) against the goldens for "
            f"{golden_key} (engine {engine_key})"]
-    by_id = {r["id"]: r for r in result.requests}
+    by_id = result.by_id()
     first = mismatches[0]
     r = by_id.get(first.request)
-    where = (f" (arrived at step {r['arrival_step']}, prefill at step {r['prefill_step']})"
+    where = (f" (arrived at step {r.arrival_step}, prefill at step {r.prefill_step})"
              if r else " (never arrived)")
     out.append(f"  first divergence: request {first.request}{where}: {first.field} "
                f"expected {_fmt(first.expected)}, got {_fmt(first.actual)}")
@@ -89,12 +91,12 @@ def check_report(target: str, engine_key: str, golden_key: str, mismatches: list
     return "\n".join(out)
 
 
-def explain_groups(request: dict[str, Any] | None,
+def explain_groups(request: RequestOutcome | None,
                    kv_groups: list[dict[str, Any]] | None) -> str:
     """Which KV-cache group stopped the hit, from what each could serve alone."""
-    if not request or not kv_groups or not request.get("group_hits"):
+    if not request or not kv_groups or not request.group_hits:
         return ""
-    hits = request["group_hits"]
+    hits = request.group_hits
     parts = []
     for g, h in zip(kv_groups, hits):
         drop = ", EAGLE drop applied" if g.get("eagle_drop") else ""

@@ -35,9 +35,9 @@ requests:
 
 
 def _hits(trace) -> dict[str, int]:
-    from replayer.replay import replay
+    from replayer.runner import replay_on
 
-    return {r["id"]: r["num_cached_tokens"] for r in replay(trace).requests}
+    return {r.id: r.num_cached_tokens for r in replay_on(trace).requests}
 
 
 def test_anonymised_trace_keeps_hits_that_hinge_on_the_lookahead_token(tmp_path):
@@ -57,10 +57,13 @@ def test_anonymised_trace_keeps_hits_that_hinge_on_the_lookahead_token(tmp_path)
 
 def test_unit_stays_the_block_when_no_hash_looks_ahead(tmp_path):
     from replayer.anonymize import default_unit
+    from traces.engine_spec import EngineBlock
 
-    engine = {"block_size": 16, "kv_groups": [{"kind": "full_attention"}],
-              "speculative": {"method": "eagle", "num_speculative_tokens": 1}}
-    assert default_unit({**engine, "speculative": {**engine["speculative"],
-                                                   "disable_lookahead_block_hashes": True}}) == 16
-    assert default_unit({**engine, "connector": "mooncake_store"}) == 16
-    assert default_unit({k: v for k, v in engine.items() if k != "speculative"}) == 16
+    def unit(**settings) -> int:
+        return default_unit(EngineBlock.from_dict("test", {
+            "block_size": 16, "kv_groups": [{"kind": "full_attention"}], **settings}))
+
+    eagle = {"method": "eagle", "num_speculative_tokens": 1}
+    assert unit(speculative={**eagle, "disable_lookahead_block_hashes": True}) == 16
+    assert unit(speculative=eagle, connector="mooncake_store") == 16
+    assert unit() == 16

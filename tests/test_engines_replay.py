@@ -53,23 +53,22 @@ def test_0290_checks_every_fixture_against_its_own_goldens():
 
 def test_installed_and_release_0330_give_identical_output(quiet_vllm):
     """The same release from the wheel's sources replays exactly as the installed one."""
-    from replayer.engine_process import EngineProcess
-    from replayer.replay import replay
+    from replayer.runner import engine_runner, replay_on
 
     names = [*PAIR, "sliding_window", "reset_prefix_cache", "shared_system_prompt_hybrid"]
     traces = [load_target(SCENARIOS / f"{n}.yaml") for n in names]
-    with EngineProcess("vllm==0.33.0") as release:
+    with engine_runner("vllm==0.33.0") as release:
         seen = []
-        on_release = [release.replay(t, progress=seen.append) for t in traces]
+        on_release = [release(t, progress=seen.append) for t in traces]
     assert seen and seen[-1].done == seen[-1].total          # progress crossed the process
-    on_installed = [replay(t) for t in traces]
+    on_installed = [replay_on(t) for t in traces]
     for name, a, b in zip(names, on_installed, on_release):
         assert a.engine.as_dict() == {"vllm": "0.33.0", "source": "installed"}
         assert b.engine.as_dict() == {"vllm": "0.33.0", "source": "release"}
         da, db = a.as_dict(), b.as_dict()
         da.pop("engine"), db.pop("engine")
         assert da == db, name
-    assert {r["id"]: r["num_cached_tokens"] for r in on_release[1].requests} == {
+    assert {r.id: r.num_cached_tokens for r in on_release[1].requests} == {
         "turn1": 0, "turn2": 24448}
 
 

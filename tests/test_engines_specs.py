@@ -238,9 +238,10 @@ def test_release_line_runs_from_good_to_bad():
 
 def _fake_result(index: int, cached: int):
     from replayer.replay import ReplayResult
+    from traces.outcome import RequestOutcome
 
-    req = {"id": "r", "num_prompt_tokens": 100, "num_cached_tokens": cached,
-           "num_local_cached_tokens": cached, "num_external_cached_tokens": 0}
+    req = RequestOutcome(id="r", arrival_step=0, num_prompt_tokens=100, num_cached_tokens=cached,
+                         num_local_cached_tokens=cached, num_external_cached_tokens=0)
     return ReplayResult(engine=EngineInfo(f"0.{index}.0", "release"), requests=[req], steps=3)
 
 

@@ -67,9 +67,9 @@ def test_kill_9_mid_recording_keeps_running_requests_and_replays(tmp_path):
     assert running, "the kill left no request running"
     assert any("still running when the recording ended" in note for note in trace.notes)
 
-    from replayer.replay import replay
+    from replayer.runner import replay_on
 
-    replayed = {r["id"]: r for r in replay(trace).requests}
+    replayed = {r.id: r.as_dict() for r in replay_on(trace).requests}
     assert set(replayed) == set(trace.requests["id"].to_pylist())
     # A request first scheduled before the last recorded arrival cannot have been
     # influenced by a request the kill lost: its recorded outcome must replay.

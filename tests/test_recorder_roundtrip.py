@@ -35,7 +35,7 @@ def recorder():
     from replayer.store import StoreSpec
 
     def store_for(trace):
-        return StoreSpec("memory") if trace.engine.get("connector") else None
+        return StoreSpec("memory") if trace.engine.connector else None
 
     return fidelity, store_for
 
@@ -60,19 +60,19 @@ def test_recording_holds_what_the_engine_reported(recordings, name):
     trace = read_trace(rec)
     assert trace.header["source"]["kind"] == "recorded"
     assert trace.skipped_parts == []
-    original = {r["id"]: r for r in result.requests}
+    original = {r.id: r.as_dict() for r in result.requests}
     recorded = {r["id"]: r for r in trace.outcomes.to_pylist()}
     prefilled = {k for k, r in original.items() if r["num_cached_tokens"] is not None}
     assert set(recorded) == prefilled
     for rid in prefilled:
         assert tuple(recorded[rid][f] for f in FIELDS) == tuple(original[rid][f] for f in FIELDS)
     # Requests in arrival order, with what the engine received.
-    assert trace.requests["id"].to_pylist() == [r["id"] for r in result.requests]
+    assert trace.requests["id"].to_pylist() == [r.id for r in result.requests]
     assert trace.requests["num_prompt_tokens"].to_pylist() == [
-        r["num_prompt_tokens"] for r in result.requests]
+        r.num_prompt_tokens for r in result.requests]
     steps = trace.steps["step"].to_pylist()
     assert steps == sorted(steps) and set(steps) <= set(range(result.steps))
-    if trace.engine.get("connector"):
+    if trace.engine.connector:
         puts = [r for r in trace.store_ops.to_pylist() if r["op"] == "put" and r["result"] >= 0]
         assert sorted(r["key"] for r in puts) == sorted(
             r["key"] for r in result.store["rows"] if r["op"] == "put" and r["result"] >= 0)

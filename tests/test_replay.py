@@ -32,13 +32,14 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600):
 def replay():
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_LOGS", "-torch")
-    from replayer.replay import replay as _replay
+    from replayer.runner import replay_on
 
-    return _replay
+    return replay_on
 
 
 def by_id(result):
-    return {r["id"]: r for r in result.requests}
+    """Each request's outcome as its --json dict, by id."""
+    return {r.id: r.as_dict() for r in result.requests}
 
 
 @pytest.mark.parametrize("turn1", [24576, 24577])
@@ -53,7 +54,7 @@ def test_vllm51295_pair_hits_24448_on_033(replay, turn1):
     assert r["turn2"]["num_external_cached_tokens"] == 0
     # turn2 arrives once turn1 finished, never before.
     assert r["turn2"]["arrival_step"] > r["turn1"]["finish_step"]
-    assert [x["id"] for x in result.requests] == ["turn1", "turn2"]
+    assert [x.id for x in result.requests] == ["turn1", "turn2"]
 
 
 def test_priority_policy_decides_who_hits_the_shared_prefix(replay):
@@ -61,11 +62,11 @@ def test_priority_policy_decides_who_hits_the_shared_prefix(replay):
     from dataclasses import replace
 
     trace = load_target(SCENARIOS / "priority_scheduling.yaml")
-    hits = {r["id"]: r["num_cached_tokens"] for r in replay(trace).requests}
+    hits = {r.id: r.num_cached_tokens for r in replay(trace).requests}
     assert hits == {"long": 0, "b": 64, "c": 0}
     fcfs = replace(trace, header={**trace.header,
-                                  "engine": {**trace.engine, "scheduling_policy": "fcfs"}})
-    hits = {r["id"]: r["num_cached_tokens"] for r in replay(fcfs).requests}
+                                  "engine": trace.engine.with_settings(scheduling_policy="fcfs")})
+    hits = {r.id: r.num_cached_tokens for r in replay(fcfs).requests}
     assert hits == {"long": 0, "b": 0, "c": 64}
 
 
@@ -94,7 +95,7 @@ def test_arrival_steps_and_idle_clock_jump(replay, tmp_path):
         """))
     result = replay(load_target(path))
     r = by_id(result)
-    assert [x["id"] for x in result.requests] == ["a", "c", "b"]     # arrival order
+    assert [x.id for x in result.requests] == ["a", "c", "b"]        # arrival order
     assert r["c"]["arrival_step"] == 1
     assert r["b"]["arrival_step"] == 500                             # the clock jumped
     assert r["b"]["num_cached_tokens"] == 992                        # a's blocks still cached
@@ -246,6 +247,6 @@ def test_group_hits_explain_which_group_stopped_the_hit(replay):
     assert r["user_b"]["group_hits"] == [4480, 0] and r["user_b"]["num_cached_tokens"] == 0
     assert r["user_c"]["group_hits"] == [4480, 3072]
     assert r["user_c"]["num_cached_tokens"] == min(r["user_c"]["group_hits"])
-    why = explain_groups(r["user_c"], result.kv_groups)
+    why = explain_groups(result.by_id()["user_c"], result.kv_groups)
     assert why.endswith("the hit stopped at 3072, where group 1 (mamba) stopped")
     assert "group 0 (full_attention, EAGLE drop applied) alone could hit 4480" in why

@@ -37,7 +37,7 @@ def api():
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_LOGS", "-torch")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from replayer.replay import replay
+    from replayer.runner import replay_on as replay
     from replayer.store import StoreError, StoreSpec
     from replayer.store.master import MasterProcess
     from replayer.store_check import actual
@@ -82,7 +82,7 @@ def test_real_master_and_memory_store_agree_and_match_goldens(api, master, fixtu
     # Gets moved bytes (a resend served from the store), and read them back intact:
     # RecordingStore raises on any difference, so reaching here proves it.
     gets = [r for r in on_master.store["rows"] if r["op"] == "get" and r["result"] > 0]
-    if any(r["num_external_cached_tokens"] for r in on_master.requests):
+    if any(r.num_external_cached_tokens for r in on_master.requests):
         assert gets and all(r["bytes"] > 0 for r in gets)
 
 

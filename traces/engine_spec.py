@@ -1,101 +1,203 @@
 """The engine block of a header or scenario: geometry and settings, by vLLM's names.
 
-Only what a trace sets is stored; a field left out means vLLM's own default, so
-a header never pins a value nobody chose. The one definition of which keys
-exist lives here; unknown keys are errors, never silently ignored.
+:class:`EngineBlock` is the one typed form every reader uses: built by
+:meth:`EngineBlock.from_dict` (validation), frozen, every default resolved,
+one documented field per key. Unknown keys are errors, never silently ignored.
+
+Two kinds of default. The replayer's own (block size 16, one full-attention
+group, ``align`` for Mamba, vocabulary 32000, ...) are filled in here. A few
+settings are vLLM's to default and differ between releases (scheduler budgets,
+the prefix-match unit, the retention interval, ...): left out they stay None,
+and the adapter leaves them to the vLLM it builds. ``max_model_len`` and
+``num_gpu_blocks`` depend on the trace's requests: :meth:`EngineBlock.sized_for`
+fills them, the one place those derived defaults are decided.
+
+A header keeps only what its author set (:meth:`EngineBlock.to_header` gives
+back exactly that), so a header never pins a value nobody chose.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from dataclasses import dataclass, field, fields, replace
+from math import ceil
+from typing import Any, Mapping
 
 from .errors import TraceError
 from .limits import check_engine_bounds, check_int
 
 GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla")
-
-# key -> (python types accepted, doc)
-ENGINE_KEYS: dict[str, tuple[tuple[type, ...], str]] = {
-    "block_size": ((int,), "KV block size in tokens (CacheConfig.block_size)"),
-    "prefix_match_unit": ((int,), "hash block size; omitted: the block size"),
-    "kv_groups": ((list,), "KV-cache groups, each {kind, block_size?, sliding_window?}"),
-    "speculative": ((dict,), "{method, num_speculative_tokens, disable_lookahead_block_hashes}"),
-    "prefix_cache_retention_interval": ((int, type(None)), "Mamba/SWA checkpoint interval"),
-    "mamba_cache_mode": ((str,), "'align' (default with a Mamba group) or 'none'"),
-    "enable_mamba_shared_prefix_checkpoint": ((bool,), "CacheConfig flag of the same name"),
-    "enable_prefix_caching": ((bool,), "CacheConfig flag (default true)"),
-    "prefix_caching_hash_algo": ((str,), "sha256 (default), sha256_cbor, xxhash, ..."),
-    "hash_seed": ((str, int, type(None)), "PYTHONHASHSEED the engine ran with; null: unset"),
-    "max_num_batched_tokens": ((int,), "SchedulerConfig budget per step"),
-    "max_num_seqs": ((int,), "SchedulerConfig concurrent sequences"),
-    "max_model_len": ((int,), "omitted: the longest request in the trace, rounded up"),
-    "num_gpu_blocks": ((int,), "KV blocks (num_gpu_blocks_override)"),
-    "enable_chunked_prefill": ((bool,), "SchedulerConfig flag (default true)"),
-    "long_prefill_token_threshold": ((int,), "SchedulerConfig field"),
-    "async_scheduling": ((bool,), "SchedulerConfig flag (default false here)"),
-    "scheduling_policy": ((str,), "SchedulerConfig.policy: fcfs (default) or priority"),
-    "vocab_size": ((int,), "vocabulary of the synthetic tokens (default 32000)"),
-    "connector": ((str, type(None)), "KV connector: mooncake_store (omitted: none)"),
-    "connector_config": ((dict,), "the connector's extra config, by vLLM's names"),
-}
-
 CONNECTORS = ("mooncake_store",)
 # MooncakeStoreConnector's kv_connector_extra_config keys the replay honours.
 CONNECTOR_CONFIG_KEYS = ("load_async", "lookup_async", "save_decode_cache", "enable_lookup",
                          "cache_prefix", "enable_group_semantics")
-
 SCHEDULING_POLICIES = ("fcfs", "priority")
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "disable_lookahead_block_hashes")
 SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp")
-GROUP_KEYS = ("kind", "block_size", "sliding_window")
+MAMBA_CACHE_MODES = ("align", "none")
 
+DEFAULT_BLOCK_SIZE = 16       # CacheConfig.DEFAULT_BLOCK_SIZE in every release served
 DEFAULT_VOCAB_SIZE = 32000
+# A given ``prefix_cache_retention_interval: null``: vLLM retains checkpoints densely
+# (its None). Kept apart from None here, which means "left to vLLM's default".
+RETAIN_DENSE = "dense"
 
 
-def _check_int(where: str, key: str, value: Any, *, minimum: int = 1) -> None:
-    check_int(where, f"engine.{key}", value, minimum)
+def _doc(text: str, *types: type, vllm_default: bool = False) -> dict[str, Any]:
+    return {"doc": text, "types": types, "vllm_default": vllm_default}
 
 
-def validate_engine(where: str, engine: Any) -> dict[str, Any]:
-    """Check an engine block and return a normalised copy (kv_groups expanded)."""
-    if not isinstance(engine, dict):
-        raise TraceError(where, "engine must be a mapping")
+@dataclass(frozen=True)
+class KvGroup:
+    """One KV-cache group the null model declares."""
+
+    kind: str = field(metadata=_doc("full_attention | mamba | sliding_window | mla", str))
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=_doc(
+        "tokens per block; omitted: the engine's block_size (16 when that is omitted)", int))
+    sliding_window: int | None = field(default=None, metadata=_doc(
+        "window in tokens (kind sliding_window only)", int))
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """Speculative decoding (EAGLE/MTP): vLLM's SpeculativeConfig, the draft is the trace."""
+
+    method: str = field(metadata=_doc("eagle | eagle3 | mtp", str))
+    num_speculative_tokens: int = field(default=1, metadata=_doc("draft tokens per step", int))
+    disable_lookahead_block_hashes: bool = field(default=False, metadata=_doc(
+        "0.33's flag: no lookahead block hashes, so the EAGLE drop applies", bool))
+
+
+@dataclass(frozen=True)
+class EngineBlock:
+    """A trace's engine, every field resolved (None: vLLM's default, see each doc)."""
+
+    block_size: int = field(metadata=_doc(
+        "KV block size in tokens (CacheConfig.block_size); omitted: the smallest attention "
+        "group's, else 16", int))
+    kv_groups: tuple[KvGroup, ...] = field(metadata=_doc(
+        "KV-cache groups, each {kind, block_size?, sliding_window?}; omitted: one "
+        "full-attention group", list))
+    prefix_match_unit: int | None = field(default=None, metadata=_doc(
+        "hash block size (CacheConfig.prefix_match_unit); None: vLLM's (the block size)", int,
+        vllm_default=True))
+    speculative: Speculative | None = field(default=None, metadata=_doc(
+        "{method, num_speculative_tokens, disable_lookahead_block_hashes}; None: off", dict))
+    prefix_cache_retention_interval: int | str | None = field(default=None, metadata=_doc(
+        "Mamba/SWA checkpoint interval; a given null is RETAIN_DENSE; None: vLLM's default",
+        int, type(None), vllm_default=True))
+    mamba_cache_mode: str = field(default="align", metadata=_doc(
+        "'align' (default) or 'none'; applies with a Mamba group", str))
+    enable_mamba_shared_prefix_checkpoint: bool | None = field(default=None, metadata=_doc(
+        "CacheConfig flag of the same name; None: vLLM's default (off)", bool,
+        vllm_default=True))
+    enable_prefix_caching: bool = field(default=True, metadata=_doc(
+        "CacheConfig flag (default true)", bool))
+    prefix_caching_hash_algo: str | None = field(default=None, metadata=_doc(
+        "sha256, sha256_cbor, xxhash, ...; None: vLLM's default (sha256)", str,
+        vllm_default=True))
+    hash_seed: str | None = field(default=None, metadata=_doc(
+        "PYTHONHASHSEED the engine ran with; None: unset", str, int, type(None)))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_doc(
+        "SchedulerConfig budget per step; None: vLLM's default", int, vllm_default=True))
+    max_num_seqs: int | None = field(default=None, metadata=_doc(
+        "SchedulerConfig concurrent sequences; None: vLLM's default", int, vllm_default=True))
+    max_model_len: int | None = field(default=None, metadata=_doc(
+        "omitted: the longest request (+ draft room), rounded up to the largest block "
+        "(see sized_for)", int))
+    num_gpu_blocks: int | None = field(default=None, metadata=_doc(
+        "KV blocks (num_gpu_blocks_override); omitted: room for four longest requests in "
+        "every group (see sized_for)", int))
+    enable_chunked_prefill: bool | None = field(default=None, metadata=_doc(
+        "SchedulerConfig flag; None: vLLM's default (true)", bool, vllm_default=True))
+    long_prefill_token_threshold: int | None = field(default=None, metadata=_doc(
+        "SchedulerConfig field; None: vLLM's default", int, vllm_default=True))
+    async_scheduling: bool = field(default=False, metadata=_doc(
+        "SchedulerConfig flag as recorded; the replay steps synchronously", bool))
+    scheduling_policy: str = field(default="fcfs", metadata=_doc(
+        "SchedulerConfig.policy: fcfs (default) or priority", str))
+    vocab_size: int = field(default=DEFAULT_VOCAB_SIZE, metadata=_doc(
+        "vocabulary of the synthetic tokens (default 32000)", int))
+    connector: str | None = field(default=None, metadata=_doc(
+        "KV connector: mooncake_store; None: none", str, type(None)))
+    connector_config: Mapping[str, Any] = field(default_factory=dict, hash=False, metadata=_doc(
+        "the connector's extra config, by vLLM's names", dict))
+    # What the header or scenario said, normalised: to_header() gives it back.
+    given: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False,
+                                     hash=False)
+
+    # -- reading --------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, where: str, raw: Any) -> "EngineBlock":
+        """Validate an engine block; errors name ``where`` and the key."""
+        return _build(str(where), raw)
+
+    def to_header(self) -> dict[str, Any]:
+        """The block as a header or scenario holds it: only what was given."""
+        return copy.deepcopy(dict(self.given))
+
+    def with_settings(self, **changes: Any) -> "EngineBlock":
+        """A copy with some keys set as if the header had said so (validated again)."""
+        return EngineBlock.from_dict("engine", {**self.to_header(), **changes})
+
+    # -- derived ----------------------------------------------------------------
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens per step (0 without speculative decoding)."""
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def has_mamba(self) -> bool:
+        return any(g.kind == "mamba" for g in self.kv_groups)
+
+    def sized_for(self, longest_request: int) -> "EngineBlock":
+        """``max_model_len`` and ``num_gpu_blocks`` filled in for a trace whose
+        longest request (prompt + output) has ``longest_request`` tokens.
+
+        ``max_model_len``: that, plus room for the drafts, rounded up to the
+        largest block; ``num_gpu_blocks``: four such requests in every group.
+        Values the trace set are kept.
+        """
+        sizes = [g.block_size for g in self.kv_groups]
+        unit = max(sizes)
+        max_len = self.max_model_len
+        if max_len is None:
+            max_len = ceil((longest_request + self.num_speculative_tokens + 1) / unit) * unit
+        blocks = self.num_gpu_blocks
+        if blocks is None:
+            blocks = 4 * ceil(max_len / min(sizes)) * len(sizes)
+        return replace(self, max_model_len=max_len, num_gpu_blocks=blocks)
+
+
+ENGINE_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(EngineBlock)
+                               if f.name != "given"}
+SPECULATIVE_KEYS = tuple(f.name for f in fields(Speculative))
+GROUP_KEYS = tuple(f.name for f in fields(KvGroup))
+_TYPES = {f.name: f.metadata["types"] for f in fields(EngineBlock) if f.name != "given"}
+_INT_KEYS = ("block_size", "prefix_match_unit", "max_num_batched_tokens", "max_num_seqs",
+             "max_model_len", "num_gpu_blocks", "vocab_size", "long_prefill_token_threshold")
+
+
+def _check_int(where: str, key: str, value: Any, *, minimum: int = 1) -> int:
+    return check_int(where, f"engine.{key}", value, minimum)
+
+
+def _check_types(where: str, engine: dict[str, Any]) -> None:
     for key, value in engine.items():
-        if key not in ENGINE_KEYS:
-            raise TraceError(where, f"unknown engine key {key!r} (known: {', '.join(ENGINE_KEYS)})")
-        types, _ = ENGINE_KEYS[key]
+        if key not in _TYPES:
+            raise TraceError(where, f"unknown engine key {key!r} (known: {', '.join(_TYPES)})")
+        types = _TYPES[key]
         if isinstance(value, bool) and bool not in types:
             raise TraceError(where, f"engine.{key} has the wrong type bool")
         if not isinstance(value, types):
             raise TraceError(where, f"engine.{key} has the wrong type {type(value).__name__}")
-    out = dict(engine)
-    for key in ("block_size", "prefix_match_unit", "max_num_batched_tokens", "max_num_seqs",
-                "max_model_len", "num_gpu_blocks", "vocab_size", "long_prefill_token_threshold"):
-        if key in out:
-            _check_int(where, key, out[key])
-    rit = out.get("prefix_cache_retention_interval")
-    if rit is not None:
-        _check_int(where, "prefix_cache_retention_interval", rit, minimum=0)
-    if out.get("mamba_cache_mode", "align") not in ("align", "none"):
-        raise TraceError(where, f"engine.mamba_cache_mode must be 'align' or 'none', "
-                                f"got {out['mamba_cache_mode']!r}")
-    if out.get("connector") is not None and out["connector"] not in CONNECTORS:
-        raise TraceError(where, f"engine.connector {out['connector']!r} is not supported "
-                                f"(known: {', '.join(CONNECTORS)})")
-    if out.get("scheduling_policy", "fcfs") not in SCHEDULING_POLICIES:
-        raise TraceError(where, f"engine.scheduling_policy {out['scheduling_policy']!r}: "
-                                f"expected one of {', '.join(SCHEDULING_POLICIES)}")
-    if "connector_config" in out and not out.get("connector"):
-        raise TraceError(where, "engine.connector_config needs engine.connector")
-    for k, v in (out.get("connector_config") or {}).items():
-        if k not in CONNECTOR_CONFIG_KEYS:
-            raise TraceError(where, f"unknown key {k!r} in engine.connector_config "
-                                    f"(known: {', '.join(CONNECTOR_CONFIG_KEYS)})")
-    groups = out.get("kv_groups", [{"kind": "full_attention"}])
-    if not groups:
+
+
+def _groups(where: str, raw: list[Any], default_size: int) -> tuple[list[dict], tuple[KvGroup, ...]]:
+    """(the groups as given, normalised to mappings; the resolved groups)."""
+    if not raw:
         raise TraceError(where, "engine.kv_groups must list at least one group")
-    norm_groups = []
-    for i, g in enumerate(groups):
+    given, groups = [], []
+    for i, g in enumerate(raw):
         if isinstance(g, str):
             g = {"kind": g}
         if not isinstance(g, dict):
@@ -108,37 +210,87 @@ def validate_engine(where: str, engine: Any) -> dict[str, Any]:
         if kind not in GROUP_KINDS:
             raise TraceError(where, f"engine.kv_groups[{i}].kind {kind!r} is not a group kind "
                                     f"vLLM can build (known: {', '.join(GROUP_KINDS)})")
+        window = None
         if kind == "sliding_window":
-            _check_int(where, f"kv_groups[{i}].sliding_window", g.get("sliding_window"))
+            window = _check_int(where, f"kv_groups[{i}].sliding_window", g.get("sliding_window"))
         elif "sliding_window" in g:
             raise TraceError(where, f"engine.kv_groups[{i}]: sliding_window only applies "
                                     f"to kind sliding_window")
         if "block_size" in g:
             _check_int(where, f"kv_groups[{i}].block_size", g["block_size"])
-        norm_groups.append(dict(g))
-    kinds = [g["kind"] for g in norm_groups]
+        given.append(dict(g))
+        groups.append(KvGroup(kind, int(g.get("block_size", default_size)), window))
+    kinds = [g.kind for g in groups]
     if "mla" in kinds and len(set(kinds)) > 1:
         raise TraceError(where, "engine.kv_groups: an mla group cannot be mixed with other kinds")
     if all(k == "mamba" for k in kinds):
         raise TraceError(where, "engine.kv_groups: a model needs at least one attention group "
                                 "beside mamba")
-    out["kv_groups"] = norm_groups
-    check_engine_bounds(where, out)     # sizes that would exhaust memory, hash_seed, ...
-    spec = out.get("speculative")
-    if spec is not None:
-        for k in spec:
-            if k not in SPECULATIVE_KEYS:
-                raise TraceError(where, f"unknown key {k!r} in engine.speculative "
-                                        f"(known: {', '.join(SPECULATIVE_KEYS)})")
-        if spec.get("method") not in SPECULATIVE_METHODS:
-            raise TraceError(where, f"engine.speculative.method must be one of "
-                                    f"{', '.join(SPECULATIVE_METHODS)}, got {spec.get('method')!r}")
-        _check_int(where, "speculative.num_speculative_tokens",
+    return given, tuple(groups)
+
+
+def _speculative(where: str, spec: dict[str, Any]) -> Speculative:
+    for k in spec:
+        if k not in SPECULATIVE_KEYS:
+            raise TraceError(where, f"unknown key {k!r} in engine.speculative "
+                                    f"(known: {', '.join(SPECULATIVE_KEYS)})")
+    if spec.get("method") not in SPECULATIVE_METHODS:
+        raise TraceError(where, f"engine.speculative.method must be one of "
+                                f"{', '.join(SPECULATIVE_METHODS)}, got {spec.get('method')!r}")
+    n = _check_int(where, "speculative.num_speculative_tokens",
                    spec.get("num_speculative_tokens", 1))
-        if not isinstance(spec.get("disable_lookahead_block_hashes", False), bool):
-            raise TraceError(where, "engine.speculative.disable_lookahead_block_hashes must be a bool")
-    return out
+    lookahead_off = spec.get("disable_lookahead_block_hashes", False)
+    if not isinstance(lookahead_off, bool):
+        raise TraceError(where, "engine.speculative.disable_lookahead_block_hashes must be a bool")
+    return Speculative(spec["method"], n, lookahead_off)
 
 
-def vocab_size(engine: dict[str, Any]) -> int:
-    return int(engine.get("vocab_size", DEFAULT_VOCAB_SIZE))
+def _choice(where: str, key: str, value: Any, known: tuple[str, ...], message: str) -> None:
+    if value not in known:
+        raise TraceError(where, message.format(key=key, value=value, known=", ".join(known)))
+
+
+def _build(where: str, raw: Any) -> EngineBlock:
+    if not isinstance(raw, dict):
+        raise TraceError(where, "engine must be a mapping")
+    _check_types(where, raw)
+    for key in _INT_KEYS:
+        if key in raw:
+            _check_int(where, key, raw[key])
+    check_engine_bounds(where, raw)     # sizes that would exhaust memory, hash_seed, ...
+    if raw.get("prefix_cache_retention_interval") is not None:
+        _check_int(where, "prefix_cache_retention_interval",
+                   raw["prefix_cache_retention_interval"], minimum=0)
+    _choice(where, "mamba_cache_mode", raw.get("mamba_cache_mode", "align"), MAMBA_CACHE_MODES,
+            "engine.{key} must be 'align' or 'none', got {value!r}")
+    if raw.get("connector") is not None:
+        _choice(where, "connector", raw["connector"], CONNECTORS,
+                "engine.{key} {value!r} is not supported (known: {known})")
+    _choice(where, "scheduling_policy", raw.get("scheduling_policy", "fcfs"),
+            SCHEDULING_POLICIES, "engine.{key} {value!r}: expected one of {known}")
+    if "connector_config" in raw and not raw.get("connector"):
+        raise TraceError(where, "engine.connector_config needs engine.connector")
+    for k in raw.get("connector_config") or {}:
+        if k not in CONNECTOR_CONFIG_KEYS:
+            raise TraceError(where, f"unknown key {k!r} in engine.connector_config "
+                                    f"(known: {', '.join(CONNECTOR_CONFIG_KEYS)})")
+    group_default = raw.get("block_size", DEFAULT_BLOCK_SIZE)
+    given_groups, groups = _groups(where, raw.get("kv_groups", [{"kind": "full_attention"}]),
+                                   group_default)
+    spec = raw.get("speculative")
+    given = {**copy.deepcopy(raw), "kv_groups": given_groups}
+    values = {k: v for k, v in raw.items() if k not in ("kv_groups", "speculative")}
+    if "prefix_cache_retention_interval" in raw and raw["prefix_cache_retention_interval"] is None:
+        values["prefix_cache_retention_interval"] = RETAIN_DENSE
+    if raw.get("hash_seed") is not None:
+        values["hash_seed"] = str(raw["hash_seed"])
+    values["connector_config"] = dict(raw.get("connector_config") or {})
+    attention = [g.block_size for g in groups if g.kind != "mamba"]
+    values.setdefault("block_size", min(attention))
+    speculative = None if spec is None else _speculative(where, spec)
+    return EngineBlock(kv_groups=groups, speculative=speculative, given=given, **values)
+
+
+def validate_engine(where: str, engine: Any) -> EngineBlock:
+    """Check an engine block: the typed form, every default resolved."""
+    return EngineBlock.from_dict(where, engine)

@@ -9,15 +9,14 @@ directory's golden table holds every outcome field. Both are compared by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
 
 import pyarrow as pa
 
 from . import schema
+from .outcome import RequestOutcome
 
 ANY_ENGINE = "*"
-EXPECT_FIELDS = ("num_prompt_tokens", "num_cached_tokens", "num_local_cached_tokens",
-                 "num_external_cached_tokens")
+EXPECT_FIELDS = schema.OUTCOME_FIELDS
 
 Goldens = dict[str, dict[str, dict[str, int]]]
 
@@ -31,8 +30,14 @@ def select(goldens: Goldens, engine_key: str) -> tuple[str, dict[str, dict[str, 
     return None
 
 
-def table_from_results(results: Iterable[dict[str, Any]], engine_key: str) -> pa.Table:
-    rows = [{k: r.get(k) for k in ("id", *EXPECT_FIELDS)} for r in results]
+def expect_from_results(results: list[RequestOutcome]) -> dict[str, dict[str, int | None]]:
+    """Every outcome field of every request: a trace directory's golden."""
+    return {r.id: r.observed() for r in results}
+
+
+def table_from_expect(expect: dict[str, dict[str, int | None]], engine_key: str) -> pa.Table:
+    rows = [{"id": rid, **{k: fields.get(k) for k in EXPECT_FIELDS}}
+            for rid, fields in expect.items()]
     table = pa.Table.from_pylist(rows, schema=schema.GOLDEN.arrow_schema())
     return table.replace_schema_metadata({"engine": engine_key})
 
@@ -54,9 +59,9 @@ class Mismatch:
     arrival_index: int     # position in arrival order: the first is "the first divergence"
 
 
-def compare(expect: dict[str, dict[str, int]], results: list[dict[str, Any]]) -> list[Mismatch]:
+def compare(expect: dict[str, dict[str, int]], results: list[RequestOutcome]) -> list[Mismatch]:
     """Every field that differs, in the order requests arrived."""
-    by_id = {r["id"]: (i, r) for i, r in enumerate(results)}
+    by_id = {r.id: (i, r) for i, r in enumerate(results)}
     out: list[Mismatch] = []
     for rid, fields in expect.items():
         if rid not in by_id:
@@ -65,7 +70,7 @@ def compare(expect: dict[str, dict[str, int]], results: list[dict[str, Any]]) ->
             continue
         idx, res = by_id[rid]
         for f, v in fields.items():
-            if res.get(f) != v:
-                out.append(Mismatch(rid, f, v, res.get(f), idx))
+            if getattr(res, f) != v:
+                out.append(Mismatch(rid, f, v, getattr(res, f), idx))
     out.sort(key=lambda m: (m.arrival_index, EXPECT_FIELDS.index(m.field)))
     return out

@@ -174,7 +174,10 @@ def check_engine_bounds(path: Any, engine: dict[str, Any]) -> None:
     for key, limit in ENGINE_BOUNDS.items():
         if engine.get(key) is not None:
             check_int(path, f"engine.{key}", engine[key], 0, limit)
-    for i, g in enumerate(engine.get("kv_groups") or ()):
+    groups = engine.get("kv_groups")
+    for i, g in enumerate(groups if isinstance(groups, list) else ()):
+        if not isinstance(g, dict):
+            continue                    # reported by the engine block's own check
         for key in ("block_size", "sliding_window"):
             if key in g:
                 check_int(path, f"engine.kv_groups[{i}].{key}", g[key], 1,
@@ -184,7 +187,8 @@ def check_engine_bounds(path: Any, engine: dict[str, Any]) -> None:
         check_int(path, "engine.speculative.num_speculative_tokens",
                   spec["num_speculative_tokens"], 1, 64)
     check_hash_seed(path, engine.get("hash_seed"))
-    for key, value in (engine.get("connector_config") or {}).items():
+    config = engine.get("connector_config")
+    for key, value in (config.items() if isinstance(config, dict) else ()):
         if key in CONNECTOR_FLAGS and not isinstance(value, bool):
             raise TraceError(path, f"engine.connector_config.{key} must be true or false, "
                                    f"got {short(value)}")

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from .engine_spec import vocab_size
 from .tokens import block_tokens, stream_tokens
 
 
@@ -49,7 +48,7 @@ class TokenSource:
     """Prompt and output tokens of each request row."""
 
     def __init__(self, header: dict[str, Any], requests: pa.Table) -> None:
-        self.vocab = vocab_size(header["engine"])
+        self.vocab = header["engine"].vocab_size
         self.block = (header.get("prompt_blocks") or {}).get("block_tokens")
         self.n_prompt = requests["num_prompt_tokens"].to_numpy()
         self.ids = requests["id"].to_pylist()

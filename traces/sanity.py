@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .engine_spec import EngineBlock
 from .errors import TraceError
 from .limits import MAX_BLOCK_TOKENS, MAX_TOKENS, check_int
 
@@ -32,15 +33,15 @@ def check_header_bounds(path: Path, header: dict[str, Any]) -> None:
                   MAX_BLOCK_TOKENS)
 
 
-def check_async_scheduling(path: Any, engine: dict[str, Any], source_kind: str | None) -> None:
+def check_async_scheduling(path: Any, engine: EngineBlock, source_kind: str | None) -> None:
     """The replay steps synchronously: async scheduling is accepted only in a recording
     (replayed with the same hits, not step for step: see the README), never asked for."""
-    if engine.get("async_scheduling") and source_kind != "recorded":
+    if engine.async_scheduling and source_kind != "recorded":
         raise TraceError(path, "engine.async_scheduling: true is not replayed (the replay "
                                "schedules synchronously); remove it or set it to false")
 
 
-def check_request_bounds(path: Path, engine: dict[str, Any], requests: pa.Table) -> None:
+def check_request_bounds(path: Path, engine: EngineBlock, requests: pa.Table) -> None:
     """Lengths within MAX_TOKENS and ``max_model_len``, refused as vLLM's front end does."""
     names = set(requests.column_names)
     for name in ("num_prompt_tokens", "output_len"):
@@ -49,7 +50,7 @@ def check_request_bounds(path: Path, engine: dict[str, Any], requests: pa.Table)
             if row is not None:
                 raise TraceError(path, f"{requests[name][row].as_py()} is above the limit of "
                                        f"{MAX_TOKENS} tokens", column=name, row=row)
-    max_len = engine.get("max_model_len")
+    max_len = engine.max_model_len
     if max_len is not None and "num_prompt_tokens" in names:
         row = _first_true(pc.greater(requests["num_prompt_tokens"], max_len))
         if row is not None:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from . import schema
-from .engine_spec import validate_engine, vocab_size
+from .engine_spec import EngineBlock
 from .errors import TraceError
 from .goldens import EXPECT_FIELDS, ANY_ENGINE
 from .limits import MAX_INT, MAX_TOKENS, TokenBudget, check_int
@@ -76,8 +76,8 @@ def compile_scenario(path: str | Path) -> Trace:
     path = Path(path)
     data = load_yaml(path)
     _unknown(path, "the scenario", data, TOP_KEYS)
-    engine = validate_engine(str(path), data.get("engine", {}))
-    vocab = vocab_size(engine)
+    engine = EngineBlock.from_dict(str(path), data.get("engine", {}))
+    vocab = engine.vocab_size
     reqs = data.get("requests")
     if not isinstance(reqs, list) or not reqs:
         raise TraceError(path, "requests must be a non-empty list")
@@ -196,14 +196,14 @@ def _expect(path: Path, expect: Any, ids: set[str]) -> dict[str, dict[str, dict[
 
 
 def _expect_store(path: Path, expect: Any, ids: set[str],
-                  engine: dict[str, Any]) -> dict[str, dict[str, Any]]:
+                  engine: EngineBlock) -> dict[str, dict[str, Any]]:
     """``expect_store:`` -> {engine key: {"puts": {...}, "lookups": {...}}}.
 
     Plain form applies to any engine; ``{"vllm==X": {...}}`` pins one.
     """
     if expect is None:
         return {}
-    if not engine.get("connector"):
+    if not engine.connector:
         raise TraceError(path, "expect_store needs engine.connector")
     if not isinstance(expect, dict):
         raise TraceError(path, "expect_store must be a mapping")

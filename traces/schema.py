@@ -88,6 +88,10 @@ OUTCOMES = Table("outcomes", (
     Column("num_external_cached_tokens", pa.int64(), nullable=True),
 ))
 
+# What a request's prefill observed: the fields goldens pin, recordings hold and
+# replays report (traces.outcome.RequestOutcome), in this order.
+OUTCOME_FIELDS = tuple(c.name for c in OUTCOMES.columns[1:])
+
 STEPS = Table("steps", (
     Column("step", pa.int64()),
     Column("id", pa.string()),

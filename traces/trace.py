@@ -18,9 +18,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from . import schema, store_goldens
+from .engine_spec import EngineBlock
 from .errors import TraceError
-from .goldens import Goldens, expect_from_table, table_from_results
 from .atomic import output_dir_plan, publish_dir, replace_file_with
+from .goldens import Goldens, expect_from_table, table_from_expect
 from .limits import MAX_JSON_BYTES, load_json, read_bounded
 from .sanity import check_golden_table
 from .validate import validate_header, validate_table, validate_trace
@@ -45,12 +46,37 @@ class Trace:
     # What reading a recording had to settle (requests still running at its end).
     notes: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # The header's engine block is always the typed, validated form.
+        engine = self.header.get("engine")
+        if not isinstance(engine, EngineBlock):
+            self.header = {**self.header,
+                           "engine": EngineBlock.from_dict(str(self.path or "header"), engine)}
+
     @property
-    def engine(self) -> dict[str, Any]:
+    def engine(self) -> EngineBlock:
         return self.header["engine"]
+
+    def sized_engine(self) -> EngineBlock:
+        """The engine block with ``max_model_len`` and ``num_gpu_blocks`` resolved
+        for these requests (:meth:`EngineBlock.sized_for`)."""
+        total = pc.add(self.requests["num_prompt_tokens"], self.requests["output_len"])
+        return self.engine.sized_for(int(pc.max(total).as_py()))
 
     def table(self, name: str) -> pa.Table | None:
         return getattr(self, name)
+
+    def header_json(self) -> str:
+        """``header.json`` as written: the engine block as it was given."""
+        return header_json(self.header)
+
+
+def header_json(header: dict[str, Any]) -> str:
+    """A header as JSON text, the engine block holding only what was given."""
+    engine = header["engine"]
+    if isinstance(engine, EngineBlock):
+        header = {**header, "engine": engine.to_header()}
+    return json.dumps(header, indent=2, sort_keys=True) + "\n"
 
 
 STORE_GOLDEN_PREFIX = "store-"
@@ -79,7 +105,7 @@ def write_trace(trace: Trace, out_dir: str | os.PathLike, *, force: bool = False
 
 
 def _fill_trace_dir(trace: Trace, tmp: Path) -> None:
-    (tmp / schema.HEADER_FILE).write_text(json.dumps(trace.header, indent=2, sort_keys=True) + "\n")
+    (tmp / schema.HEADER_FILE).write_text(trace.header_json())
     for name in schema.TABLES:
         table = trace.table(name)
         if table is not None:
@@ -87,9 +113,8 @@ def _fill_trace_dir(trace: Trace, tmp: Path) -> None:
     if trace.goldens:
         (tmp / schema.GOLDEN_DIR).mkdir()
         for key, expect in sorted(trace.goldens.items()):
-            rows = [{"id": rid, **fields} for rid, fields in expect.items()]
             _write_table(tmp / schema.GOLDEN_DIR / golden_file(key),
-                         table_from_results(rows, key))
+                         table_from_expect(expect, key))
     if trace.store_goldens:
         (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
         for key, expect in sorted(trace.store_goldens.items()):

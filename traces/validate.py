@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import schema
-from .engine_spec import validate_engine, vocab_size
+from .engine_spec import EngineBlock
 from .errors import TraceError
 from .sanity import check_async_scheduling, check_header_bounds, check_request_bounds
 
@@ -33,7 +33,7 @@ def validate_header(path: Path, header: Any) -> dict[str, Any]:
     if "engine" not in header:
         raise TraceError(path, "header has no 'engine' block")
     header = dict(header)
-    header["engine"] = validate_engine(str(path), header["engine"])
+    header["engine"] = EngineBlock.from_dict(str(path), header["engine"])
     source = header.get("source", {})
     if not isinstance(source, dict) or source.get("kind") not in SOURCE_KINDS:
         raise TraceError(path, f"header.source.kind must be one of {', '.join(SOURCE_KINDS)}")
@@ -101,7 +101,7 @@ def validate_requests(path: Path, header: dict[str, Any], requests: pa.Table) ->
         row = _first_true(pc.fill_null(pc.less(requests["arrival_step"], 0), False))
         if row is not None:
             raise TraceError(path, "negative arrival step", column="arrival_step", row=row)
-    vocab = vocab_size(header["engine"])
+    vocab = header["engine"].vocab_size
     has_tokens = "prompt_tokens" in names
     has_blocks = "prompt_block_ids" in names
     if not has_tokens and not has_blocks:

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import importlib
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from traces.engine_spec import EngineBlock
 
 from .base import EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome, StepResult
+
+if TYPE_CHECKING:
+    from .specs import ResolvedEngine
 
 # release prefix -> adapter module (consecutive prefixes of one module form a range)
 ADAPTERS: dict[str, str] = {
@@ -68,16 +73,19 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def open_engine(engine: dict[str, Any], max_model_len: int, spec: Any = "installed",
-                store: Any = None) -> EngineAdapter:
-    """Build the engine named by ``spec`` in this process.
+def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
+                record_dir: str | None = None) -> EngineAdapter:
+    """Build the adapter for ``spec`` over a sized engine block, in this process.
 
-    ``spec`` is ``installed`` or a :class:`.specs.ResolvedEngine` whose sources
-    this process imports (a child started by :mod:`replayer.engine_process`).
-    ``store`` is a :class:`replayer.store.StoreSpec` for traces with a connector."""
-    from .specs import info_in_this_process
-
-    info = info_in_this_process(spec)
+    Called only by :mod:`replayer.runner`, which decides where an engine runs:
+    ``spec`` is the installed vLLM or the sources this process imports (a
+    child started by :mod:`replayer.engine_process`). ``store`` is a
+    :class:`replayer.store.StoreSpec` for traces with a connector; ``record_dir``
+    records the replay there (:mod:`replayer.recorder`)."""
+    if not spec.runs_here():
+        raise EngineError(f"engine {spec.info.label} runs in a process of its own: replay it "
+                          "through replayer.runner.engine_runner or the command line")
+    info = spec.info
     version = info.vllm
     try:
         module = importlib.import_module(adapter_module_for(version))
@@ -87,10 +95,7 @@ def open_engine(engine: dict[str, Any], max_model_len: int, spec: Any = "install
         raise EngineError(f"{info.label}: importing vLLM failed: {type(exc).__name__}: "
                           f"{_first_line(exc)}") from exc
     try:
-        if engine.get("connector"):
-            adapter = module.open_engine(engine, max_model_len, version, store=store)
-        else:
-            adapter = module.open_engine(engine, max_model_len, version)
+        adapter = module.open_engine(engine, version, store=store, record_dir=record_dir)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         # vLLM validates geometry with ValueError/AssertionError (pydantic's too):
         # one line naming the engine field (replayer.engines.config_errors).

@@ -7,8 +7,9 @@ release range.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -83,23 +84,52 @@ class EngineInfo:
         return out
 
 
-class EngineAdapter(Protocol):
-    info: EngineInfo
-    # Adapters for older releases may also set ``notes``: one line for each
-    # trace setting the release does not have, saying how it replays without it.
+class EngineAdapter(ABC):
+    """One engine the replay loop steps. Adapters implement the abstract methods;
+    the capabilities below have defaults for an adapter that lacks them, so
+    callers never probe with ``getattr`` (as vLLM's ``KVCacheCoordinator``
+    declares what every coordinator has)."""
 
+    #: Who the engine is; set by :func:`replayer.engines.open_engine`.
+    info: EngineInfo
+    #: One line per trace setting this release does not have, saying how it
+    #: replays without it (older releases); said on stderr, never in the JSON.
+    notes: list[str]
+
+    def __init__(self) -> None:
+        self.notes = []
+
+    @abstractmethod
     def add_request(self, request: EngineRequest) -> None: ...
 
+    @abstractmethod
     def step(self) -> StepResult: ...
 
+    @abstractmethod
     def has_unfinished(self) -> bool: ...
 
+    @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
 
+    @abstractmethod
     def abort(self, request_id: str) -> None: ...
 
+    @abstractmethod
     def vllm_seconds(self) -> float:
         """Seconds spent inside vLLM's ``schedule`` and ``update_from_output``."""
-        ...
 
+    @abstractmethod
     def close(self) -> None: ...
+
+    # -- capabilities, with the defaults of an adapter that lacks them ----------
+    def hold_accepted(self, accepted: dict[tuple[int, str], int]) -> None:
+        """Accept only as many drafts per (step, request) as a recording did."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold drafts to a recording")
+
+    def store_report(self) -> dict[str, Any] | None:
+        """Store operations and lookups of a connector replay (None: no connector)."""
+        return None
+
+    def kv_groups(self) -> list[dict[str, Any]] | None:
+        """vLLM's KV-cache groups in its order (kind, EAGLE drop), where the adapter can tell."""
+        return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,15 +38,22 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
-from .base import EngineInfo, EngineRequest, PrefillOutcome, StepResult
+from traces.engine_spec import RETAIN_DENSE, EngineBlock
+
+from .base import EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome, StepResult
 
 # The tiny model config directories vLLM reads (no hub): the target and its EAGLE draft.
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TARGET_MODEL = MODELS / "tiny-llama"
 DRAFT_MODEL = MODELS / "tiny-eagle"
 
-DEFAULT_BLOCK_SIZE = 16       # CacheConfig.DEFAULT_BLOCK_SIZE in every release served
 HEAD_SIZE = 4                 # of the largest-block attention group; others scale
+
+
+# The CoreEngine whose EngineCore is being built: EngineCore constructs the
+# executor itself (``executor_class(vllm_config)``), so this is how the new
+# executor instance finds its adapter; set only around that construction.
+_BUILDING: ContextVar["CoreEngine"] = ContextVar("building_core_engine")
 
 
 def _done(value: Any) -> Future:
@@ -63,11 +71,9 @@ class NullExecutor(Executor):
 
     uses_ray = False
     supports_pp = False
-    # Set by CoreEngine before construction (EngineCore builds the executor).
-    layer_specs: dict[str, Any] = {}
 
     def _init_executor(self) -> None:
-        self.adapter: "CoreEngine | None" = None
+        self.adapter: CoreEngine = _BUILDING.get()
         self.kv_cache_configs = None
 
     def check_health(self) -> None:
@@ -82,7 +88,7 @@ class NullExecutor(Executor):
         return _done(result) if non_block else result
 
     def _rpc_get_kv_cache_spec(self) -> dict[str, Any]:
-        return dict(self.layer_specs)
+        return dict(self.adapter.layer_specs)
 
     def _rpc_get_supported_kv_cache_layouts(self) -> list[str]:
         return ["NHD"]
@@ -105,7 +111,6 @@ class NullExecutor(Executor):
         return None
 
     def execute_model(self, scheduler_output, non_block: bool = False):
-        assert self.adapter is not None
         out = self.adapter._model_output(scheduler_output)
         return _done(out) if non_block else out
 
@@ -113,7 +118,6 @@ class NullExecutor(Executor):
         raise AssertionError("null executor never defers sampling")
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
-        assert self.adapter is not None
         return self.adapter._drafts()
 
     def shutdown(self) -> None:
@@ -133,46 +137,44 @@ class LayerPlan:
     draft: bool = False       # a layer of the EAGLE draft model
 
 
-def group_block_size(engine: dict[str, Any], group: dict[str, Any]) -> int:
-    return int(group.get("block_size", engine.get("block_size", DEFAULT_BLOCK_SIZE)))
-
-
-# CacheConfig / SchedulerConfig fields a trace may set, by vLLM's names (the
-# same in every release served; an adapter drops the ones its release lacks).
+# CacheConfig / SchedulerConfig fields a trace may leave to vLLM (None), by
+# vLLM's names (the same in every release served; an adapter drops the ones
+# its release lacks).
 CACHE_KEYS = ("prefix_match_unit", "prefix_caching_hash_algo",
               "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint")
 SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
                   "long_prefill_token_threshold")
 
 
-def cache_kwargs(engine: dict[str, Any]) -> dict[str, Any]:
-    """``CacheConfig`` arguments from a trace's engine block (vLLM resolves the rest)."""
-    groups = engine["kv_groups"]
-    attn_sizes = [group_block_size(engine, g) for g in groups if g["kind"] != "mamba"]
+def _set(engine: EngineBlock, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The settings among ``keys`` the trace pins (the rest stay vLLM's defaults)."""
+    values = {k: getattr(engine, k) for k in keys}
+    return {k: (None if v == RETAIN_DENSE else v) for k, v in values.items() if v is not None}
+
+
+def cache_kwargs(engine: EngineBlock) -> dict[str, Any]:
+    """``CacheConfig`` arguments from a sized engine block (vLLM resolves the rest)."""
     out: dict[str, Any] = {
-        "block_size": int(engine.get("block_size", min(attn_sizes))),
-        "enable_prefix_caching": engine.get("enable_prefix_caching", True),
-        "num_gpu_blocks_override": int(engine["num_gpu_blocks"]),
+        "block_size": engine.block_size,
+        "enable_prefix_caching": engine.enable_prefix_caching,
+        "num_gpu_blocks_override": engine.num_gpu_blocks,
+        **_set(engine, CACHE_KEYS),
     }
-    out.update({k: engine[k] for k in CACHE_KEYS if k in engine})
-    mamba_sizes = [group_block_size(engine, g) for g in groups if g["kind"] == "mamba"]
+    mamba_sizes = [g.block_size for g in engine.kv_groups if g.kind == "mamba"]
     if mamba_sizes:
-        out["mamba_cache_mode"] = engine.get("mamba_cache_mode", "align")
+        out["mamba_cache_mode"] = engine.mamba_cache_mode
         out["mamba_block_size"] = mamba_sizes[0]
     return out
 
 
-def scheduler_kwargs(engine: dict[str, Any], max_model_len: int) -> dict[str, Any]:
+def scheduler_kwargs(engine: EngineBlock) -> dict[str, Any]:
     """``SchedulerConfig`` arguments; async scheduling stays off in the replay."""
-    out: dict[str, Any] = {"max_model_len": max_model_len, "is_encoder_decoder": False,
-                           "async_scheduling": False}
-    out.update({k: engine[k] for k in SCHEDULER_KEYS if k in engine})
-    if "scheduling_policy" in engine:
-        out["policy"] = engine["scheduling_policy"]
-    return out
+    return {"max_model_len": engine.max_model_len, "is_encoder_decoder": False,
+            "async_scheduling": False, "policy": engine.scheduling_policy,
+            **_set(engine, SCHEDULER_KEYS)}
 
 
-def plan_layers(engine: dict[str, Any], dtype_bytes: int) -> list[LayerPlan]:
+def plan_layers(engine: EngineBlock, dtype_bytes: int) -> list[LayerPlan]:
     """One layer per declared group, plus the EAGLE draft layer and twins.
 
     vLLM groups layers with equal specs and needs one page size across groups:
@@ -182,22 +184,21 @@ def plan_layers(engine: dict[str, Any], dtype_bytes: int) -> list[LayerPlan]:
     so that every group holds the same number of layers, as vLLM's grouping
     assumes.
     """
-    groups = engine["kv_groups"]
-    sizes = [group_block_size(engine, g) for g in groups]
+    groups = engine.kv_groups
+    sizes = [g.block_size for g in groups]
     largest = max(sizes)
     for g, bs in zip(groups, sizes):
-        if g["kind"] != "mamba" and largest % bs:
+        if g.kind != "mamba" and largest % bs:
             raise ValueError(f"attention block size {bs} must divide the largest group "
                              f"block size {largest}")
     page = 2 * largest * HEAD_SIZE * dtype_bytes
     plans: list[LayerPlan] = []
     draft: LayerPlan | None = None
     for i, (g, bs) in enumerate(zip(groups, sizes)):
-        kind = g["kind"]
-        window = int(g["sliding_window"]) if kind == "sliding_window" else None
+        kind = g.kind
         plans.append(LayerPlan(f"model.layers.{i}.{kind}", kind, bs, HEAD_SIZE * largest // bs,
-                               page, window))
-        if engine.get("speculative") and draft is None and kind in ("full_attention", "mla"):
+                               page, g.sliding_window))
+        if engine.speculative and draft is None and kind in ("full_attention", "mla"):
             draft = replace(plans[-1], name="draft.layers.0.attn", draft=True)
             plans.append(draft)
     if draft is not None:
@@ -224,26 +225,30 @@ class _Timed:
             self.seconds += time.perf_counter() - t
 
 
-class CoreEngine:
+class CoreEngine(EngineAdapter):
     """The real EngineCore, driven one step at a time by the replay loop.
 
-    ``config`` must name :class:`NullExecutor` as its distributed executor
-    backend; ``layer_specs`` are the release's own KV-cache spec objects.
+    ``config`` must name ``executor_cls`` (:class:`NullExecutor` or a subclass)
+    as its distributed executor backend, which EngineCore then builds;
+    ``layer_specs`` are the release's own KV-cache spec objects, which the
+    executor reports.
     """
 
     def __init__(self, config: Any, layer_specs: dict[str, Any], version: str,
                  executor_cls: type[NullExecutor] = NullExecutor) -> None:
+        super().__init__()
         self.info = EngineInfo(vllm=version)
-        self.notes: list[str] = []
-        executor_cls.layer_specs = layer_specs
+        self.layer_specs = layer_specs
         self.config = config
         self._step = 0
         # (step, request id) -> drafts accepted, from a recorded steps table.
         self._accepted: dict[tuple[int, str], int] | None = None
-        self.core = EngineCore(config, executor_cls, log_stats=True)
-        executor = self.core.model_executor
-        assert isinstance(executor, executor_cls)
-        executor.adapter = self
+        token = _BUILDING.set(self)
+        try:
+            self.core = EngineCore(config, executor_cls, log_stats=True)
+        finally:
+            _BUILDING.reset(token)
+        assert self.core.model_executor.adapter is self
         self.scheduler = self.core.scheduler
         self._schedule = _Timed(self.scheduler.schedule)
         self._update = _Timed(self.scheduler.update_from_output)

@@ -47,6 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import
 from vllm.forward_context import set_forward_context
 from vllm.v1.outputs import KVConnectorOutput
 
+from traces.engine_spec import EngineBlock
+
 from ..store import StoreError, StoreSpec
 from ..store.master import MasterProcess, wait_reachable
 from ..store.memory import MemoryStore, ReplicateConfig
@@ -57,9 +59,9 @@ SEGMENT_BYTES = 4 * 1024 ** 3   # the real pool (Mooncake's default), touched la
 LOCAL_BUFFER_BYTES = 64 * 1024 * 1024
 
 
-def kv_transfer_config(engine: dict[str, Any]) -> KVTransferConfig:
-    extra = dict(engine.get("connector_config") or {})
-    return KVTransferConfig(kv_connector=CONNECTOR_NAMES[engine["connector"]],
+def kv_transfer_config(engine: EngineBlock) -> KVTransferConfig:
+    extra = dict(engine.connector_config)
+    return KVTransferConfig(kv_connector=CONNECTOR_NAMES[engine.connector],
                             kv_role="kv_both", kv_connector_extra_config=extra)
 
 

@@ -1,7 +1,7 @@
 """Engine specs: which vLLM a replay runs on, as named on the command line.
 
 Three forms, accepted wherever an engine is chosen (``run``, ``check``,
-``diff``, ``bisect``, and ``replay(trace, engine_spec=...)``):
+``diff``, ``bisect``, and :func:`replayer.runner.engine_runner`):
 
 * ``installed`` (the default): the vLLM of this environment, in this process;
 * ``vllm==X.Y.Z``: a released version, its Python sources fetched once into
@@ -23,7 +23,6 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from . import EngineError, adapter_module_for, installed_vllm_version
 from .base import EngineInfo
@@ -56,6 +55,10 @@ class ResolvedEngine:
     spec: str
     info: EngineInfo
     sources: str | None = None
+
+    def runs_here(self) -> bool:
+        """True for the installed vLLM, and inside the child that imports these sources."""
+        return self.sources is None or _imports_from(self.sources)
 
 
 def parse_spec(text: str) -> EngineSpec:
@@ -90,7 +93,10 @@ def _check_range(text: str, version: str) -> None:
 
 
 def resolve(spec: str | EngineSpec | ResolvedEngine) -> ResolvedEngine:
-    """Fetch what ``spec`` names (a release's wheel, once) and name the engine."""
+    """Fetch what ``spec`` names (a release's wheel, once) and name the engine.
+
+    The one place a spec's form is told apart: everything after takes the
+    :class:`ResolvedEngine`."""
     if isinstance(spec, ResolvedEngine):
         return spec
     parsed = spec if isinstance(spec, EngineSpec) else parse_spec(spec)
@@ -106,31 +112,9 @@ def resolve(spec: str | EngineSpec | ResolvedEngine) -> ResolvedEngine:
     return ResolvedEngine(parsed.text, info, str(parsed.package))
 
 
-def runs_in_this_process(spec: Any) -> bool:
-    """True for the installed vLLM, and inside the child that imports ``spec``'s sources."""
-    if spec == INSTALLED:
-        return True
-    if isinstance(spec, ResolvedEngine):
-        return spec.sources is None or _imports_from(spec.sources)
-    if isinstance(spec, EngineSpec):
-        return spec.kind == INSTALLED
-    return False
-
-
 def _imports_from(sources: str) -> bool:
     found = importlib.util.find_spec("vllm")
     origin = found.origin if found is not None else None
     if not origin:
         return False
     return os.path.realpath(os.path.dirname(origin)) == os.path.realpath(sources)
-
-
-def info_in_this_process(spec: Any) -> EngineInfo:
-    """Who the engine built here is; an error when ``spec`` needs its own process."""
-    if spec == INSTALLED or (isinstance(spec, EngineSpec) and spec.kind == INSTALLED):
-        return EngineInfo(installed_vllm_version(), INSTALLED)
-    if isinstance(spec, ResolvedEngine) and runs_in_this_process(spec):
-        return spec.info
-    label = spec.info.label if isinstance(spec, ResolvedEngine) else repr(getattr(spec, "text", spec))
-    raise EngineError(f"engine {label} runs in a process of its own: replay it through "
-                      "replayer.replay.replay(engine_spec=...) or the command line")

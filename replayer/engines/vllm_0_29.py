@@ -42,6 +42,8 @@ from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowSpec)
 
+from traces.engine_spec import EngineBlock
+
 from . import UnsupportedByEngine
 from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
                           cache_kwargs, plan_layers, scheduler_kwargs)
@@ -57,15 +59,13 @@ def _minor(version: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def kv_spec(plan: LayerPlan, engine: dict[str, Any]) -> KVCacheSpec:
+def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
     """A layer's spec with these releases' constructors (no ``is_draft``)."""
     if plan.kind == "mamba":
-        spec = engine.get("speculative")
-        n_spec = int(spec.get("num_speculative_tokens", 1)) if spec else 0
         return MambaSpec(block_size=plan.block_size, shapes=((4,),), dtypes=(DTYPE,),
                          page_size_padded=plan.page_bytes,
-                         mamba_cache_mode=engine.get("mamba_cache_mode", "align"),
-                         num_speculative_blocks=n_spec)
+                         mamba_cache_mode=engine.mamba_cache_mode,
+                         num_speculative_blocks=engine.num_speculative_tokens)
     if plan.kind == "sliding_window":
         return SlidingWindowSpec(block_size=plan.block_size, num_kv_heads=1,
                                  head_size=plan.head_size, dtype=DTYPE,
@@ -77,42 +77,42 @@ def kv_spec(plan: LayerPlan, engine: dict[str, Any]) -> KVCacheSpec:
                              head_size=plan.head_size, dtype=DTYPE)
 
 
-def layer_specs(engine: dict[str, Any]) -> dict[str, KVCacheSpec]:
+def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
     return {p.name: kv_spec(p, engine) for p in plan_layers(engine, DTYPE.itemsize)}
 
 
-def missing_settings(engine: dict[str, Any], version: str) -> list[str]:
+def missing_settings(engine: EngineBlock, version: str) -> list[str]:
     """One note per trace setting release ``version`` does not have."""
     notes = []
-    spec = engine.get("speculative")
-    if spec and not spec.get("disable_lookahead_block_hashes", False):
+    spec = engine.speculative
+    if spec is not None and not spec.disable_lookahead_block_hashes:
         notes.append(f"vLLM {version} has no lookahead block hashes: replayed with the EAGLE "
                      "drop on (engine.speculative.disable_lookahead_block_hashes is 0.33's)")
-    if (engine.get("enable_mamba_shared_prefix_checkpoint")
+    if (engine.enable_mamba_shared_prefix_checkpoint
             and _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE):
         notes.append(f"vLLM {version} has no enable_mamba_shared_prefix_checkpoint: "
                      "replayed without it")
     return notes
 
 
-def build_vllm_config(engine: dict[str, Any], max_model_len: int, version: str) -> VllmConfig:
-    """The trace's engine block as these releases' config objects; vLLM resolves the rest."""
+def build_vllm_config(engine: EngineBlock, version: str) -> VllmConfig:
+    """A sized engine block as these releases' config objects; vLLM resolves the rest."""
     model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
-                        max_model_len=max_model_len, dtype="float16")
+                        max_model_len=engine.max_model_len, dtype="float16")
     parallel = ParallelConfig(distributed_executor_backend=NullExecutor)
     cache_args = cache_kwargs(engine)
     if _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE:
         # Not a CacheConfig field before 0.31: see missing_settings.
         cache_args.pop("enable_mamba_shared_prefix_checkpoint", None)
     cache = CacheConfig(**cache_args)
-    scheduler = SchedulerConfig(**scheduler_kwargs(engine, max_model_len))
+    scheduler = SchedulerConfig(**scheduler_kwargs(engine))
     speculative = None
-    spec_cfg = engine.get("speculative")
-    if spec_cfg:
+    spec = engine.speculative
+    if spec is not None:
         # No disable_lookahead_block_hashes before 0.33: see missing_settings.
         speculative = SpeculativeConfig(
-            method=spec_cfg["method"], model=str(DRAFT_MODEL),
-            num_speculative_tokens=int(spec_cfg.get("num_speculative_tokens", 1)),
+            method=spec.method, model=str(DRAFT_MODEL),
+            num_speculative_tokens=spec.num_speculative_tokens,
             target_model_config=model, target_parallel_config=parallel)
     config = VllmConfig(model_config=model, cache_config=cache, parallel_config=parallel,
                         scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"),
@@ -123,12 +123,14 @@ def build_vllm_config(engine: dict[str, Any], max_model_len: int, version: str) 
     return config
 
 
-def open_engine(engine: dict[str, Any], max_model_len: int, version: str,
-                store: Any = None) -> CoreEngine:
-    if engine.get("connector"):
-        raise UnsupportedByEngine(f"connector replay ({engine['connector']}) is not supported "
+def open_engine(engine: EngineBlock, version: str, store: Any = None,
+                record_dir: str | None = None) -> CoreEngine:
+    if engine.connector:
+        raise UnsupportedByEngine(f"connector replay ({engine.connector}) is not supported "
                                   f"on vLLM {version} yet (it runs on the installed 0.33)")
-    core = CoreEngine(build_vllm_config(engine, max_model_len, version), layer_specs(engine),
-                      version)
+    if record_dir is not None:
+        raise UnsupportedByEngine(f"recording a replay is not supported on vLLM {version} "
+                                  "(the recorder hooks 0.33)")
+    core = CoreEngine(build_vllm_config(engine, version), layer_specs(engine), version)
     core.notes = missing_settings(engine, version)
     return core

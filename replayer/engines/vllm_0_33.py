@@ -28,6 +28,8 @@ from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowSpec)
 
+from traces.engine_spec import EngineBlock
+
 from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
                           cache_kwargs, plan_layers, scheduler_kwargs)
 
@@ -40,26 +42,23 @@ class StoreAwareExecutor(NullExecutor):
     """The null executor, plus the worker-side MooncakeStore connector when the
     trace has one (created where a GPU worker creates it: on KV-cache init)."""
 
-    store_session = None    # a mooncake_0_33.StoreSession, set by the adapter
-    boundary_of = None      # hash hex -> (token boundary, first request)
+    adapter: "Vllm033Engine"
 
     def _rpc_initialize_from_config(self, kv_cache_configs: Any) -> None:
         super()._rpc_initialize_from_config(kv_cache_configs)
-        if self.store_session is not None:
-            self.store_session.init_worker(self.vllm_config, kv_cache_configs[0],
-                                           StoreAwareExecutor.boundary_of)
+        session = self.adapter.session
+        if session is not None:
+            session.init_worker(self.vllm_config, kv_cache_configs[0],
+                                self.adapter.boundaries.get)
 
 
-def kv_spec(plan: LayerPlan, engine: dict[str, Any]) -> KVCacheSpec:
+def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
     """A layer's spec with 0.33's constructors; draft layers carry ``is_draft``."""
     if plan.kind == "mamba":
-        spec_cfg = engine.get("speculative")
-        n_spec = int(spec_cfg.get("num_speculative_tokens", 1)) if spec_cfg else 0
         spec: KVCacheSpec = MambaSpec(
             block_size=plan.block_size, shapes=((4,),), dtypes=(DTYPE,),
-            page_size_padded=plan.page_bytes,
-            mamba_cache_mode=engine.get("mamba_cache_mode", "align"),
-            num_speculative_blocks=n_spec)
+            page_size_padded=plan.page_bytes, mamba_cache_mode=engine.mamba_cache_mode,
+            num_speculative_blocks=engine.num_speculative_tokens)
     elif plan.kind == "sliding_window":
         spec = SlidingWindowSpec(block_size=plan.block_size, num_kv_heads=1,
                                  head_size=plan.head_size, dtype=DTYPE,
@@ -74,28 +73,27 @@ def kv_spec(plan: LayerPlan, engine: dict[str, Any]) -> KVCacheSpec:
     return replace(spec, is_draft=True) if plan.draft else spec
 
 
-def layer_specs(engine: dict[str, Any]) -> dict[str, KVCacheSpec]:
+def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
     return {p.name: kv_spec(p, engine) for p in plan_layers(engine, DTYPE.itemsize)}
 
 
-def build_vllm_config(engine: dict[str, Any], max_model_len: int) -> VllmConfig:
-    """The trace's engine block as vLLM's own config objects; vLLM resolves the rest."""
+def build_vllm_config(engine: EngineBlock) -> VllmConfig:
+    """A sized engine block as vLLM's own config objects; vLLM resolves the rest."""
     model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
-                        max_model_len=max_model_len, dtype="float16")
+                        max_model_len=engine.max_model_len, dtype="float16")
     parallel = ParallelConfig(distributed_executor_backend=StoreAwareExecutor)
     cache = CacheConfig(**cache_kwargs(engine))
-    scheduler = SchedulerConfig(**scheduler_kwargs(engine, max_model_len))
+    scheduler = SchedulerConfig(**scheduler_kwargs(engine))
     speculative = None
-    spec_cfg = engine.get("speculative")
-    if spec_cfg:
+    spec = engine.speculative
+    if spec is not None:
         speculative = SpeculativeConfig(
-            method=spec_cfg["method"], model=str(DRAFT_MODEL),
-            num_speculative_tokens=int(spec_cfg.get("num_speculative_tokens", 1)),
-            disable_lookahead_block_hashes=bool(spec_cfg.get("disable_lookahead_block_hashes",
-                                                             False)),
+            method=spec.method, model=str(DRAFT_MODEL),
+            num_speculative_tokens=spec.num_speculative_tokens,
+            disable_lookahead_block_hashes=spec.disable_lookahead_block_hashes,
             target_model_config=model, target_parallel_config=parallel)
     kv_transfer = None
-    if engine.get("connector"):
+    if engine.connector:
         from .mooncake_0_33 import kv_transfer_config
 
         kv_transfer = kv_transfer_config(engine)
@@ -111,23 +109,22 @@ def build_vllm_config(engine: dict[str, Any], max_model_len: int) -> VllmConfig:
 class Vllm033Engine(CoreEngine):
     """The shared driver, plus the store connector and per-group hits of 0.33."""
 
-    def __init__(self, engine: dict[str, Any], max_model_len: int, version: str,
-                 store=None, record_dir: str | None = None) -> None:
-        config = build_vllm_config(engine, max_model_len)
+    def __init__(self, engine: EngineBlock, version: str, store=None,
+                 record_dir: str | None = None) -> None:
+        config = build_vllm_config(engine)
         if record_dir is not None:
             # Record this run through vLLM's own hooks (replayer.recorder).
             from ..recorder.install import install_recorder
 
             install_recorder(config, record_dir)
         self.session = None
-        self._boundaries: dict[str, tuple[int, str]] = {}
-        if engine.get("connector"):
+        # Block hash (hex) -> (token boundary, first request): names store keys.
+        self.boundaries: dict[str, tuple[int, str]] = {}
+        if engine.connector:
             from ..store import StoreSpec
             from .mooncake_0_33 import StoreSession
 
             self.session = StoreSession(store or StoreSpec("memory"))
-        StoreAwareExecutor.store_session = self.session
-        StoreAwareExecutor.boundary_of = staticmethod(self._boundaries.get)
         try:
             super().__init__(config, layer_specs(engine), version,
                              executor_cls=StoreAwareExecutor)
@@ -154,7 +151,7 @@ class Vllm033Engine(CoreEngine):
             # ends at, and the first request that had that prefix.
             hbs = self._hash_block_size
             for i, h in enumerate(req.block_hashes):
-                self._boundaries.setdefault(bytes(h).hex(), ((i + 1) * hbs, request.id))
+                self.boundaries.setdefault(bytes(h).hex(), ((i + 1) * hbs, request.id))
 
     def _before_step(self) -> None:
         if self.session is not None:
@@ -192,6 +189,6 @@ class Vllm033Engine(CoreEngine):
                 self.session.close()
 
 
-def open_engine(engine: dict[str, Any], max_model_len: int, version: str,
-                store=None) -> Vllm033Engine:
-    return Vllm033Engine(engine, max_model_len, version, store=store)
+def open_engine(engine: EngineBlock, version: str, store=None,
+                record_dir: str | None = None) -> Vllm033Engine:
+    return Vllm033Engine(engine, version, store=store, record_dir=record_dir)

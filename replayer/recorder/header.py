@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from traces import schema
-from traces.engine_spec import CONNECTOR_CONFIG_KEYS
+from traces.engine_spec import CONNECTOR_CONFIG_KEYS, EngineBlock
 
 CONNECTORS = {"MooncakeStoreConnector": "mooncake_store"}
 
@@ -35,12 +35,13 @@ def _group_kind(spec: Any) -> dict[str, Any] | None:
     return {"kind": "full_attention", "block_size": int(spec.block_size)}
 
 
-def engine_block(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+def engine_block(vllm_config: Any, kv_cache_config: Any) -> EngineBlock:
+    """The engine as vLLM resolved it, validated as any header is."""
     cache = vllm_config.cache_config
     sched = vllm_config.scheduler_config
     groups = [g for g in (_group_kind(x.kv_cache_spec) for x in kv_cache_config.kv_cache_groups)
               if g is not None]
-    engine: dict[str, Any] = {
+    block: dict[str, Any] = {
         "block_size": int(cache.block_size),
         "kv_groups": groups,
         "enable_prefix_caching": bool(cache.enable_prefix_caching),
@@ -54,35 +55,36 @@ def engine_block(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         "async_scheduling": bool(sched.async_scheduling),
     }
     if str(sched.policy) != "fcfs":
-        engine["scheduling_policy"] = str(sched.policy)
+        block["scheduling_policy"] = str(sched.policy)
     if getattr(cache, "prefix_match_unit", None):
-        engine["prefix_match_unit"] = int(cache.prefix_match_unit)
+        block["prefix_match_unit"] = int(cache.prefix_match_unit)
     if getattr(sched, "long_prefill_token_threshold", 0):
-        engine["long_prefill_token_threshold"] = int(sched.long_prefill_token_threshold)
+        block["long_prefill_token_threshold"] = int(sched.long_prefill_token_threshold)
     if any(g["kind"] == "mamba" for g in groups):
-        engine["mamba_cache_mode"] = str(cache.mamba_cache_mode)
-    if getattr(cache, "prefix_cache_retention_interval", None) is not None:
-        engine["prefix_cache_retention_interval"] = int(cache.prefix_cache_retention_interval)
+        block["mamba_cache_mode"] = str(cache.mamba_cache_mode)
+    # None is a setting of its own (dense retention), not vLLM's default (0).
+    retention = cache.prefix_cache_retention_interval
+    block["prefix_cache_retention_interval"] = None if retention is None else int(retention)
     if getattr(cache, "enable_mamba_shared_prefix_checkpoint", False):
-        engine["enable_mamba_shared_prefix_checkpoint"] = True
+        block["enable_mamba_shared_prefix_checkpoint"] = True
     hf = getattr(vllm_config.model_config, "hf_text_config", None)
     vocab = getattr(hf, "vocab_size", None)
     if vocab:
-        engine["vocab_size"] = int(vocab)
+        block["vocab_size"] = int(vocab)
     spec = vllm_config.speculative_config
     if spec is not None and spec.num_speculative_tokens:
-        engine["speculative"] = {
+        block["speculative"] = {
             "method": str(spec.method), "num_speculative_tokens": int(spec.num_speculative_tokens),
             "disable_lookahead_block_hashes": bool(getattr(spec, "disable_lookahead_block_hashes",
                                                            False))}
     ktc = vllm_config.kv_transfer_config
     if ktc is not None and ktc.kv_connector in CONNECTORS:
-        engine["connector"] = CONNECTORS[ktc.kv_connector]
+        block["connector"] = CONNECTORS[ktc.kv_connector]
         extra = ktc.kv_connector_extra_config or {}
         conf = {k: extra[k] for k in CONNECTOR_CONFIG_KEYS if k in extra}
         if conf:
-            engine["connector_config"] = conf
-    return engine
+            block["connector_config"] = conf
+    return EngineBlock.from_dict("the recorded engine", block)
 
 
 def _qualname(cls: Any) -> str:
@@ -107,6 +109,6 @@ def recorded_header(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     ktc = vllm_config.kv_transfer_config
     if ktc is not None:
         source["kv_connector"] = ktc.kv_connector
-    return {"schema_version": schema.SCHEMA_VERSION, "engine": engine_block(vllm_config,
-                                                                           kv_cache_config),
+    engine = engine_block(vllm_config, kv_cache_config)
+    return {"schema_version": schema.SCHEMA_VERSION, "engine": engine.to_header(),
             "source": source}

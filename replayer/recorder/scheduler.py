@@ -32,6 +32,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from traces.schema import OUTCOME_FIELDS
 from traces.writer import pack_tokens
 
 from .header import recorded_header
@@ -109,11 +110,10 @@ class SchedulerRecorder:
             for out in eco.outputs:
                 stats = out.prefill_stats
                 if stats is not None:
-                    self._outcomes.append({
-                        "id": out.request_id, "num_prompt_tokens": stats.num_prompt_tokens,
-                        "num_cached_tokens": stats.num_cached_tokens,
-                        "num_local_cached_tokens": stats.num_local_cached_tokens,
-                        "num_external_cached_tokens": stats.num_external_cached_tokens})
+                    # vLLM's PrefillStats names its fields as the outcomes table does.
+                    row = {f: getattr(stats, f) for f in OUTCOME_FIELDS}
+                    row["id"] = out.request_id
+                    self._outcomes.append(row)
 
     @staticmethod
     def _accepted(so: Any, mro: Any) -> list[int | None]:

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import schema
+from ..engine_spec import EngineBlock
 from ..errors import TraceError
 from ..limits import MAX_IMPORT_BLOCK_IDS, MAX_INT, MAX_TOKENS, jsonl_lines, load_json, short
 from ..step_clock import DEFAULT_STEP_MS, arrival_steps
@@ -27,13 +28,13 @@ MOONCAKE_BLOCK_TOKENS = 512
 
 # The documented default engine for imported traces: full attention at block 16,
 # an 8192-token step budget, 256 sequences, 2 M tokens of KV.
-DEFAULT_ENGINE: dict[str, Any] = {
+DEFAULT_ENGINE = EngineBlock.from_dict("the importer's default engine", {
     "block_size": 16,
     "kv_groups": [{"kind": "full_attention"}],
     "max_num_batched_tokens": 8192,
     "max_num_seqs": 256,
     "num_gpu_blocks": 131072,
-}
+})
 
 _FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -43,7 +44,7 @@ def _bad(path: Path, line: int, msg: str) -> TraceError:
 
 
 def import_mooncake(path: str | Path, *, limit: int | None = None,
-                    engine: dict[str, Any] | None = None,
+                    engine: EngineBlock | dict[str, Any] | None = None,
                     step_ms: int = DEFAULT_STEP_MS) -> Trace:
     path = Path(path)
     ids: list[str] = []
@@ -121,7 +122,7 @@ def import_mooncake(path: str | Path, *, limit: int | None = None,
     requests = requests.cast(schema.REQUESTS.arrow_schema(set(requests.column_names)))
     header = {
         "schema_version": schema.SCHEMA_VERSION,
-        "engine": dict(engine if engine is not None else DEFAULT_ENGINE),
+        "engine": DEFAULT_ENGINE if engine is None else engine,     # Trace validates it
         "source": {"kind": "imported", "format": "mooncake", "from": path.name,
                    "requests": len(ids)},
         "prompt_blocks": {"block_tokens": MOONCAKE_BLOCK_TOKENS},

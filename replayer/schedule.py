@@ -1,0 +1,81 @@
+"""The step clock's agenda: when each request arrives and each event runs.
+
+The rules (README, "The step clock"): a request with ``arrival_step`` k enters
+before step k; one with ``after: X`` enters as soon as X has finished, before
+the next step; an event ``after: X`` runs right when X finishes, before any
+request that arrives after X; an event ``at_step: k`` runs before step k, and
+before the requests that arrive then. Within one point of the clock, things
+happen in trace row order. The replay loop asks this object what is due; it
+knows nothing of engines, so the rules are tested without vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class Event:
+    """One row of the events table, with the reason it runs now (for messages)."""
+
+    action: str
+    target: str | None
+    why: str
+
+
+class Schedule:
+    """Arrivals (request rows) and events of one trace, handed out as they fall due."""
+
+    def __init__(self, arrival_step: Sequence[int | None], after: Sequence[str | None],
+                 events: Sequence[dict[str, Any]] = ()) -> None:
+        n = len(arrival_step)
+        self._timed = sorted((arrival_step[i] or 0, i) for i in range(n) if after[i] is None)
+        self._after_rows: dict[str, list[int]] = defaultdict(list)
+        for i in range(n):
+            if after[i] is not None:
+                self._after_rows[after[i]].append(i)
+        self._after_events: dict[str, list[Event]] = defaultdict(list)
+        steps: list[tuple[int, int, Event]] = []
+        for j, ev in enumerate(events):
+            if ev["after"] is not None:
+                self._after_events[ev["after"]].append(
+                    Event(ev["action"], ev.get("target"), f"after {ev['after']}"))
+            else:
+                steps.append((ev["at_step"], j, Event(ev["action"], ev.get("target"),
+                                                      f"at_step {ev['at_step']}")))
+        steps.sort(key=lambda e: (e[0], e[1]))
+        self._step_events = [(k, ev) for k, _, ev in steps]
+        self._next_row = 0
+        self._next_event = 0
+
+    def events_due(self, clock: int) -> list[Event]:
+        """``at_step`` events whose step has come (run these first)."""
+        out = []
+        while (self._next_event < len(self._step_events)
+               and self._step_events[self._next_event][0] <= clock):
+            out.append(self._step_events[self._next_event][1])
+            self._next_event += 1
+        return out
+
+    def arrivals_due(self, clock: int) -> list[int]:
+        """Rows of requests with an ``arrival_step`` that has come, in (step, row) order."""
+        out = []
+        while self._next_row < len(self._timed) and self._timed[self._next_row][0] <= clock:
+            out.append(self._timed[self._next_row][1])
+            self._next_row += 1
+        return out
+
+    def after(self, request_id: str) -> tuple[list[Event], list[int]]:
+        """What ``request_id`` finishing sets off: its events, then its followers' rows."""
+        return self._after_events.get(request_id, []), self._after_rows.get(request_id, [])
+
+    def next_point(self) -> int | None:
+        """The next step anything is scheduled for (the idle clock jumps there), or None."""
+        points = []
+        if self._next_row < len(self._timed):
+            points.append(self._timed[self._next_row][0])
+        if self._next_event < len(self._step_events):
+            points.append(self._step_events[self._next_event][0])
+        return min(points) if points else None
