@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Sequence
 
 from traces import TraceError, load_target
-from traces.goldens import compare, select
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), or the path of a "
@@ -176,7 +175,9 @@ def _replay(target, args, run):
 
 def cmd_run(args) -> int:
     from .engines.specs import parse_spec
-    from .report import dumps, run_table, write_atomic
+    from traces.atomic import write_atomic
+
+    from .report import dumps, run_table
     from .runner import engine_runner
 
     spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
@@ -203,7 +204,7 @@ def cmd_run(args) -> int:
 
 def _check_outputs(args) -> None:
     """``--json`` and ``--store-ops`` files that cannot be written fail before the replay."""
-    from traces.atomic import check_output_file
+    from traces.atomic_dir import check_output_file
 
     if getattr(args, "json", None) and args.json != "-":
         check_output_file(args.json, "--json")
@@ -295,44 +296,20 @@ def _check_recorded(args, traces) -> int:
 
 def _check_one(args, path: Path, trace, result) -> int:
     """Compare one replay with its goldens (or rewrite them); the exit code it earns."""
-    from traces.scenario import is_scenario_path
+    from . import golden_check
 
-    from . import store_check
-    from .golden_update import update
-    from .report import check_report
-
-    engine_key = result.engine.key
-    chosen = select(trace.goldens, engine_key)
     if args.update_golden:
-        golden_key = chosen[0] if chosen else engine_key
-        written, where = update(path, is_scenario_path(path), trace.goldens, golden_key,
-                                engine_key, result.requests)
-        label = "any engine" if written == "*" else written
-        print(f"UPDATED {path}: goldens for {label} rewritten in {where} from engine "
-              f"{engine_key}; review the change before committing")
-        store_where = store_check.update(path, is_scenario_path(path), trace, result)
-        if store_where:
-            print(f"UPDATED {path}: store goldens rewritten in {store_where}")
-        return EXIT_MISMATCH
-    if chosen is None:
-        print(f"FAIL {path}: no goldens for engine {engine_key} "
-              "(record them with --update-golden)")
-        return EXIT_MISMATCH
-    golden_key, expect = chosen
-    mismatches = compare(expect, result.requests)
-    store_lines, store_ok = store_check.check(trace, result)
-    report = check_report(str(path), engine_key, golden_key, mismatches, result,
-                          trace.engine, len(expect))
-    if not store_ok and not mismatches:
-        report = "FAIL" + report[len("PASS"):] + ", but the store does not"
-    print("\n".join([report, *store_lines]))
-    return EXIT_MISMATCH if mismatches or not store_ok else EXIT_OK
+        print("\n".join(golden_check.update(path, trace, result)))
+        return EXIT_MISMATCH                        # a rewrite is always reviewed
+    lines, ok = golden_check.check(path, trace, result)
+    print("\n".join(lines))
+    return EXIT_OK if ok else EXIT_MISMATCH
 
 
 def cmd_diff(args) -> int:
     from .diff import compare_results, diff_table
     from .engines.specs import parse_spec
-    from .report import write_atomic
+    from traces.atomic import write_atomic
     from .runner import engine_runner
 
     if len(args.engine) != 2:
@@ -383,7 +360,7 @@ def cmd_bisect(args) -> int:
 def _plan_output(args, inputs) -> list[str]:
     """Refuse a bad ``-o`` before reading anything; the notes to say once written
     (what ``--force`` replaced, temporaries of killed runs removed)."""
-    from traces.atomic import clean_stale, output_dir_plan
+    from traces.atomic_dir import clean_stale, output_dir_plan
 
     notes = output_dir_plan(args.output, args.force, inputs)
     return notes + clean_stale(Path(args.output).absolute())
@@ -445,6 +422,9 @@ def cmd_import(args) -> int:
 
 def cmd_info(args) -> int:
     from traces import schema
+    from traces.golden_kind import label
+    from traces.store_goldens import STORE
+    from traces.writer import parts_on_disk
 
     trace = load_target(args.target)
     print(trace.header_json(), end="")
@@ -458,9 +438,8 @@ def cmd_info(args) -> int:
             if f.exists():
                 size = f", {f.stat().st_size} bytes on disk"
             else:                                   # a recorded table: a folder of parts
-                parts = sorted((trace.path / name).glob("part-*.parquet"))
-                size = (f", {sum(p.stat().st_size for p in parts)} bytes on disk "
-                        f"in {len(parts)} part(s)")
+                nbytes, parts = parts_on_disk(trace.path / name)
+                size = f", {nbytes} bytes on disk in {parts} part(s)"
         print(f"{name}: {table.num_rows} rows, {table.num_columns} columns{size}")
     rq = trace.requests
     print(f"prompt tokens: {sum(rq['num_prompt_tokens'].to_pylist())}")
@@ -469,12 +448,10 @@ def cmd_info(args) -> int:
     for note in trace.notes:
         print(f"note: {note}")
     for key, expect in sorted(trace.goldens.items()):
-        label = "any engine" if key == "*" else key
-        print(f"goldens for {label}: {len(expect)} requests")
+        print(f"goldens for {label(key)}: {len(expect)} requests")
     for key, expect in sorted(trace.store_goldens.items()):
-        label = "any engine" if key == "*" else key
-        n = sum(len(b) for g in expect.get("puts", {}).values() for b in g.values())
-        print(f"store goldens for {label}: {n} keys, {len(expect.get('lookups', {}))} lookups")
+        puts, lookups = STORE.count(expect)
+        print(f"store goldens for {label(key)}: {puts} keys, {lookups} lookups")
     return EXIT_OK
 
 

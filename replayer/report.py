@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Iterable
 
 from traces.engine_spec import EngineBlock
+from traces.golden_kind import label
 from traces.goldens import Mismatch
 from traces.outcome import RequestOutcome
 from traces.schema import OUTCOME_FIELDS
@@ -64,11 +64,15 @@ def explain_gap(expected: int, actual: int, engine: EngineBlock) -> str:
 
 
 def check_report(target: str, engine_key: str, golden_key: str, mismatches: list[Mismatch],
-                 result: ReplayResult, engine: EngineBlock, checked: int) -> str:
-    golden_key = "any engine" if golden_key == "*" else golden_key
+                 result: ReplayResult, engine: EngineBlock, checked: int,
+                 store_ok: bool = True) -> str:
+    """The check's first line (PASS, or FAIL when requests or the store differ),
+    then each mismatch explained."""
+    golden_key = label(golden_key)
     if not mismatches:
-        return (f"PASS {target}: {checked} request(s) match the goldens for {golden_key} "
-                f"(engine {engine_key})")
+        verdict, but = ("PASS", "") if store_ok else ("FAIL", ", but the store does not")
+        return (f"{verdict} {target}: {checked} request(s) match the goldens for {golden_key} "
+                f"(engine {engine_key}){but}")
     out = [f"FAIL {target}: {len(mismatches)} mismatch(es) against the goldens for "
            f"{golden_key} (engine {engine_key})"]
     by_id = result.by_id()
@@ -113,13 +117,6 @@ def explain_groups(request: RequestOutcome | None,
 def dumps(result: ReplayResult) -> str:
     """The deterministic JSON form (no timings): byte-identical across runs."""
     return json.dumps(result.as_dict(), indent=2) + "\n"
-
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` so that ``path`` is either untouched or complete."""
-    from traces.atomic import write_file_atomic
-
-    write_file_atomic(path, text)
 
 
 def lines(items: Iterable[str]) -> str:

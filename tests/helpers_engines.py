@@ -6,11 +6,9 @@ import importlib.util
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = REPO / "fixtures" / "scenarios"
+from conftest import REPO, SCENARIOS, cli  # noqa: F401 - shared with the tests
 
 # The EAGLE drop in vLLM 0.33's full-attention lookup: with a prefix-match unit
 # finer than the block it drops one unit. The patch drops a whole block instead,
@@ -20,14 +18,6 @@ DROP_LINE = "            hit_length -= min(alignment_tokens, block_size)\n"
 PATCHED_LINE = "            hit_length -= block_size\n"
 
 SOURCE_SUFFIXES = (".py", ".pyi", ".json", ".jinja", ".typed")
-
-
-def cli(*args: object, env: dict[str, str] | None = None, timeout: float = 600):
-    """``python -m replayer ARGS`` in a fresh interpreter, from the repository root."""
-    full = {k: v for k, v in os.environ.items() if k != "_PREFIX_REPLAYER_PINNED"}
-    full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "replayer", *map(str, args)], cwd=REPO,
-                          env=full, capture_output=True, text=True, timeout=timeout)
 
 
 def installed_vllm_package() -> Path:

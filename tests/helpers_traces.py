@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Iterable
@@ -13,9 +11,7 @@ from typing import Iterable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-REPO = Path(__file__).resolve().parents[1]
-# CI clones the repo beside a copy of shared/, as on a developer machine.
-MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+from conftest import MOONCAKE_TRACE, REPO, cli  # noqa: F401 - shared with the tests
 
 # A small scenario touching every scenario feature that compiles to a table:
 # several spans, after/arrival_step, cache_salt, events and goldens.
@@ -75,14 +71,6 @@ def rewrite_requests(trace_dir: Path, change) -> None:
 def replace_column(table: pa.Table, name: str, array: pa.Array) -> pa.Table:
     i = table.column_names.index(name)
     return table.set_column(i, pa.field(name, array.type, nullable=True), array)
-
-
-def cli(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``python -m replayer ARGS`` in a fresh interpreter."""
-    env = dict(os.environ)
-    env.pop("_PREFIX_REPLAYER_PINNED", None)
-    return subprocess.run([sys.executable, "-m", "replayer", *map(str, args)], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def assert_bad_input(proc: subprocess.CompletedProcess, *needles: str) -> str:

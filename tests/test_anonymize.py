@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 from traces import load_target
@@ -41,7 +40,6 @@ def _hits(trace) -> dict[str, int]:
 
 
 def test_anonymised_trace_keeps_hits_that_hinge_on_the_lookahead_token(tmp_path):
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from replayer.anonymize import anonymize, default_unit
 
     path = tmp_path / "lookahead.yaml"

@@ -9,24 +9,16 @@ Python sources. Every other engine here is a copy of the installed package.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from helpers_engines import (REPO, SCENARIOS, cli, copy_vllm_sources, git, init_repo,
-                             patch_eagle_drop)
+from conftest import SCENARIOS, TRACES, cli
+from helpers_engines import copy_vllm_sources, git, init_repo, patch_eagle_drop
 from traces import load_target
 
 PAIR = ("vllm51295_turn1_24576", "vllm51295_turn1_24577")
 
 pytestmark = pytest.mark.slow       # each engine process costs ~10 s of vLLM imports
-
-
-@pytest.fixture(scope="module")
-def quiet_vllm():
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_LOGS", "-torch")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def test_0290_checks_every_fixture_against_its_own_goldens():
@@ -43,7 +35,7 @@ def test_0290_checks_every_fixture_against_its_own_goldens():
         assert (f"PASS fixtures/scenarios/{name}.yaml: 2 request(s) match the goldens for "
                 "vllm==0.29.0 (engine vllm==0.29.0)") in proc.stdout
     assert "FAIL" not in proc.stdout
-    n = len(list(SCENARIOS.glob("*.yaml"))) + len(list((REPO / "fixtures" / "traces").iterdir()))
+    n = len(list(SCENARIOS.glob("*.yaml"))) + len(list(TRACES.iterdir()))
     assert proc.stdout.count("PASS ") == n
     # The one setting 0.29 lacks is said once, on stderr, and nothing else is.
     assert proc.stderr == ("replayer: note: vLLM 0.29.0 has no lookahead block hashes: replayed "
@@ -51,7 +43,7 @@ def test_0290_checks_every_fixture_against_its_own_goldens():
                            "disable_lookahead_block_hashes is 0.33's)\n")
 
 
-def test_installed_and_release_0330_give_identical_output(quiet_vllm):
+def test_installed_and_release_0330_give_identical_output():
     """The same release from the wheel's sources replays exactly as the installed one."""
     from replayer.runner import engine_runner, replay_on
 

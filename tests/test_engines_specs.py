@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers_engines import SCENARIOS, cli, git, init_repo
+from conftest import SCENARIOS, cli
+from helpers_engines import git, init_repo
 from helpers_traces import assert_bad_input
 from replayer.engines import EngineError, EngineInfo
 from replayer.engines.releases import releases_between, release_sources

@@ -14,7 +14,7 @@ import time
 from traces import load_target
 from traces.trace import read_trace
 
-from helpers_traces import REPO
+from conftest import REPO
 
 SOURCE = REPO / "fixtures" / "traces" / "conversation_500"
 RECORD = textwrap.dedent("""

@@ -8,42 +8,31 @@ anonymised recording, held-back drafts, and the CLI's --against recorded.
 
 from __future__ import annotations
 
-import os
 import shutil
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from conftest import SCENARIOS, STORE_SCENARIOS, TRACES, cli
+from replayer import fidelity
+from replayer.store import StoreSpec
 from traces import load_target
+from traces.schema import OUTCOME_FIELDS
 from traces.trace import Trace, read_trace, write_trace
 
-from helpers_traces import REPO, cli
-
-FIXTURES = sorted((REPO / "fixtures" / "scenarios").glob("*.yaml")) + sorted(
-    (REPO / "fixtures" / "store").glob("*.yaml")) + sorted(
-    p for p in (REPO / "fixtures" / "traces").iterdir() if p.is_dir())
-FIELDS = ("num_prompt_tokens", "num_cached_tokens", "num_local_cached_tokens",
-          "num_external_cached_tokens")
+FIXTURES = sorted(SCENARIOS.glob("*.yaml")) + sorted(STORE_SCENARIOS.glob("*.yaml")) + sorted(
+    p for p in TRACES.iterdir() if p.is_dir())
+FIELDS = OUTCOME_FIELDS
 
 
-@pytest.fixture(scope="module")
-def recorder():
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from replayer import fidelity
-    from replayer.store import StoreSpec
-
-    def store_for(trace):
-        return StoreSpec("memory") if trace.engine.connector else None
-
-    return fidelity, store_for
+def store_for(trace):
+    return StoreSpec("memory") if trace.engine.connector else None
 
 
 @pytest.fixture(scope="module")
-def recordings(recorder, tmp_path_factory):
+def recordings(tmp_path_factory):
     """fixture name -> (original replay result, recorded trace dir)."""
-    fidelity, store_for = recorder
     root = tmp_path_factory.mktemp("recordings")
     out = {}
     for path in FIXTURES:
@@ -83,17 +72,15 @@ def test_recording_holds_what_the_engine_reported(recordings, name):
 
 
 @pytest.mark.parametrize("name", [p.stem for p in FIXTURES])
-def test_replay_of_the_recording_matches_it(recorder, recordings, name):
-    fidelity, store_for = recorder
+def test_replay_of_the_recording_matches_it(recordings, name):
     trace = read_trace(recordings[name][1])
     lines, ok, _ = fidelity.check_against_recorded(trace, store=store_for(trace))
     assert ok, "\n".join(lines)
 
 
-def test_anonymized_recording_replays_to_the_same_outcomes(recorder, recordings, tmp_path):
+def test_anonymized_recording_replays_to_the_same_outcomes(recordings, tmp_path):
     from replayer.anonymize import anonymize, default_unit
 
-    fidelity, store_for = recorder
     for name in ("vllm51295_turn1_24577", "resend_after_reset", "conversation_500"):
         trace = read_trace(recordings[name][1])
         anon_dir = write_trace(anonymize(trace, secret=b"k"), tmp_path / name)
@@ -107,9 +94,8 @@ def test_anonymized_recording_replays_to_the_same_outcomes(recorder, recordings,
         assert ok, f"{name}: " + "\n".join(lines)
 
 
-def test_replay_honours_recorded_rejected_drafts(recorder, recordings, tmp_path):
+def test_replay_honours_recorded_rejected_drafts(recordings, tmp_path):
     """A recording where every draft was rejected replays with every draft rejected."""
-    fidelity, store_for = recorder
     scenario = tmp_path / "decode.yaml"
     scenario.write_text(DECODING)
     fidelity.record_replay(load_target(scenario), tmp_path / "rec")
@@ -164,7 +150,6 @@ def test_cli_check_against_recorded_passes_then_fails_on_a_changed_outcome(recor
 
 
 def test_against_recorded_needs_outcomes(tmp_path):
-    proc = cli("check", "--against", "recorded", REPO / "fixtures" / "scenarios" /
-               "reset_prefix_cache.yaml")
+    proc = cli("check", "--against", "recorded", SCENARIOS / "reset_prefix_cache.yaml")
     assert proc.returncode == 2
     assert "has no outcomes table" in proc.stderr and len(proc.stderr.splitlines()) == 1

@@ -19,7 +19,7 @@ from traces.errors import TraceError
 from traces.trace import read_trace
 from traces.writer import PartWriter, pack_tokens, part_name
 
-from helpers_traces import REPO, cli
+from conftest import REPO, cli
 
 HEADER = {"schema_version": 1, "engine": {"block_size": 16},
           "source": {"kind": "recorded"}}

@@ -338,11 +338,11 @@ def test_outputs_get_the_users_umask(tmp_path):
     assert stat.S_IMODE((tmp_path / "OUT").stat().st_mode) == 0o755
     assert stat.S_IMODE((tmp_path / "OUT" / "header.json").stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "OUT" / "golden" / "*.parquet").stat().st_mode) == 0o644
-    from traces.atomic import write_file_atomic
+    from traces.atomic import write_atomic
 
     old = os.umask(0o027)
     try:
-        write_file_atomic(tmp_path / "out.json", "{}")
+        write_atomic(tmp_path / "out.json", "{}")
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "out.json").stat().st_mode) == 0o640

@@ -4,37 +4,16 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from conftest import FIXTURES, MOONCAKE_TRACE as CONVERSATION, SCENARIOS, TRACES, cli
+from replayer.runner import replay_on as replay
 from traces import load_target
 from traces.scenario import compile_scenario
 from traces.trace import read_trace, write_trace
-
-REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = REPO / "fixtures" / "scenarios"
-CONVERSATION = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-
-
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600):
-    return subprocess.run([sys.executable, "-m", "replayer", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-
-
-@pytest.fixture(scope="module")
-def replay():
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_LOGS", "-torch")
-    from replayer.runner import replay_on
-
-    return replay_on
 
 
 def by_id(result):
@@ -43,7 +22,7 @@ def by_id(result):
 
 
 @pytest.mark.parametrize("turn1", [24576, 24577])
-def test_vllm51295_pair_hits_24448_on_033(replay, turn1):
+def test_vllm51295_pair_hits_24448_on_033(turn1):
     result = replay(load_target(SCENARIOS / f"vllm51295_turn1_{turn1}.yaml"))
     r = by_id(result)
     assert result.engine.vllm.startswith("0.33")
@@ -57,7 +36,7 @@ def test_vllm51295_pair_hits_24448_on_033(replay, turn1):
     assert [x.id for x in result.requests] == ["turn1", "turn2"]
 
 
-def test_priority_policy_decides_who_hits_the_shared_prefix(replay):
+def test_priority_policy_decides_who_hits_the_shared_prefix():
     """The recorded policy and priorities matter: fcfs hands the hit to the other request."""
     from dataclasses import replace
 
@@ -70,13 +49,13 @@ def test_priority_policy_decides_who_hits_the_shared_prefix(replay):
     assert hits == {"long": 0, "b": 0, "c": 64}
 
 
-def test_lookahead_hashes_turn_the_eagle_drop_off(replay):
+def test_lookahead_hashes_turn_the_eagle_drop_off():
     """Same geometry, drop inactive: the hit lands on a whole block boundary."""
     r = by_id(replay(load_target(SCENARIOS / "pmu_below_block_no_drop.yaml")))
     assert r["turn2"]["num_cached_tokens"] == 24576
 
 
-def test_scenario_and_its_compiled_trace_replay_identically(replay, tmp_path):
+def test_scenario_and_its_compiled_trace_replay_identically(tmp_path):
     scenario = SCENARIOS / "shared_system_prompt_hybrid.yaml"
     out = write_trace(compile_scenario(scenario), tmp_path / "trace")
     a = replay(load_target(scenario)).as_dict()
@@ -84,7 +63,7 @@ def test_scenario_and_its_compiled_trace_replay_identically(replay, tmp_path):
     assert a == b
 
 
-def test_arrival_steps_and_idle_clock_jump(replay, tmp_path):
+def test_arrival_steps_and_idle_clock_jump(tmp_path):
     path = tmp_path / "arrivals.yaml"
     path.write_text(textwrap.dedent("""\
         engine: {block_size: 16, max_num_batched_tokens: 256}
@@ -102,7 +81,7 @@ def test_arrival_steps_and_idle_clock_jump(replay, tmp_path):
     assert result.steps < 100                                        # idle steps cost nothing
 
 
-def test_abort_event_frees_the_request(replay, tmp_path):
+def test_abort_event_frees_the_request(tmp_path):
     path = tmp_path / "abort.yaml"
     path.write_text(textwrap.dedent("""\
         engine: {block_size: 16, max_num_batched_tokens: 512}
@@ -119,7 +98,7 @@ def test_abort_event_frees_the_request(replay, tmp_path):
     assert r["late"]["num_cached_tokens"] == 1536
 
 
-def test_reset_prefix_cache_event_empties_the_cache(replay):
+def test_reset_prefix_cache_event_empties_the_cache():
     r = by_id(replay(load_target(SCENARIOS / "reset_prefix_cache.yaml")))
     assert r["after_reset"]["num_cached_tokens"] == 0
     assert r["again"]["num_cached_tokens"] == 2992
@@ -145,9 +124,8 @@ def test_progress_bar_only_when_enabled():
 def test_check_passes_every_bundled_fixture():
     proc = cli("check", "fixtures/")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    fixtures = REPO / "fixtures"
-    n = (len(list(fixtures.rglob("*.yaml")))
-         + sum(1 for p in (fixtures / "traces").iterdir() if (p / "header.json").exists()))
+    n = (len(list(FIXTURES.rglob("*.yaml")))
+         + sum(1 for p in TRACES.iterdir() if (p / "header.json").exists()))
     assert proc.stdout.count("PASS ") == n
     assert "FAIL" not in proc.stdout
 
@@ -234,7 +212,7 @@ def test_engine_that_cannot_hold_one_request_is_bad_input(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("replayer: error: vLLM 0.33.0 cannot build")
 
 
-def test_group_hits_explain_which_group_stopped_the_hit(replay):
+def test_group_hits_explain_which_group_stopped_the_hit():
     """Sparse Mamba retention: attention alone could serve the shared system
     prompt, Mamba has no state there, so the hybrid hit is Mamba's."""
     from replayer.report import explain_groups

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-STORE_SCENARIO = REPO / "fixtures" / "store" / "shared_prefix_junction.yaml"
+from conftest import STORE_SCENARIOS, cli
 
-
-def cli(*args: str):
-    return subprocess.run([sys.executable, "-m", "replayer", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)
+STORE_SCENARIO = STORE_SCENARIOS / "shared_prefix_junction.yaml"
 
 
 def one_line_error(proc) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 
 import numpy as np
+import pytest
 
 from replayer.store.codes import OBJECT_NOT_FOUND, code_name
 from replayer.store.memory import MemoryStore
@@ -83,9 +84,5 @@ def test_store_specs_and_sizes():
     assert parse_store_spec("mooncake", "64MB").capacity_bytes == 64 * 1024 ** 2
     assert parse_size("1.5kb") == 1536
     for bad in ("redis", "mooncake://nohost", "mooncake://h:99999"):
-        try:
+        with pytest.raises(ValueError, match="--store"):
             parse_store_spec(bad)
-        except ValueError as exc:
-            assert "--store" in str(exc)
-        else:
-            raise AssertionError(bad)

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import polars as pl
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def cli(*args: str):
-    return subprocess.run([sys.executable, "-m", "replayer", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=600)
+from conftest import cli
 
 
 def test_store_ops_table_holds_every_operation_in_order(tmp_path):

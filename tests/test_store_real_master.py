@@ -8,46 +8,28 @@ network namespace, so nothing listens beyond the test.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from conftest import STORE_SCENARIOS, cli
+from replayer.golden_check import observed
+from replayer.runner import replay_on as replay
+from replayer.store import StoreSpec
+from replayer.store.master import MasterProcess
 from traces import load_target
 from traces.goldens import compare, select
-from traces.store_goldens import compare_store
+from traces.store_goldens import STORE, compare_store
 
 pytestmark = pytest.mark.real_master
 
-REPO = Path(__file__).resolve().parents[1]
-STORE_FIXTURES = sorted((REPO / "fixtures" / "store").glob("*.yaml"))
-
-
-def cli(*args: str, timeout: float = 600):
-    return subprocess.run([sys.executable, "-m", "replayer", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=timeout)
+STORE_FIXTURES = sorted(STORE_SCENARIOS.glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
-def api():
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_LOGS", "-torch")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    from replayer.runner import replay_on as replay
-    from replayer.store import StoreError, StoreSpec
-    from replayer.store.master import MasterProcess
-    from replayer.store_check import actual
-
-    return replay, StoreSpec, StoreError, MasterProcess, actual
-
-
-@pytest.fixture(scope="module")
-def master(api):
-    m = api[3]()
+def master():
+    m = MasterProcess()
     yield m
     m.close()
 
@@ -59,8 +41,7 @@ def without_backend(result) -> dict:
 
 
 @pytest.mark.parametrize("fixture", STORE_FIXTURES, ids=lambda p: p.stem)
-def test_real_master_and_memory_store_agree_and_match_goldens(api, master, fixture):
-    replay, StoreSpec, _, _, actual = api
+def test_real_master_and_memory_store_agree_and_match_goldens(master, fixture):
     trace = load_target(fixture)
     on_memory = replay(trace, store=StoreSpec("memory"))
     held: set[str] = set()
@@ -76,7 +57,7 @@ def test_real_master_and_memory_store_agree_and_match_goldens(api, master, fixtu
     key, expect = select(trace.goldens, on_master.engine.key)
     assert compare(expect, on_master.requests) == []
     _, store_expect = select(trace.store_goldens, on_master.engine.key)
-    assert compare_store(store_expect, actual(on_master)) == []
+    assert compare_store(store_expect, observed(STORE, on_master)) == []
     # Every key written was really held by the master.
     assert set(on_master.as_dict()["store"]["puts"]) <= held
     # Gets moved bytes (a resend served from the store), and read them back intact:
@@ -97,7 +78,7 @@ def test_unreachable_master_fails_fast_and_writes_nothing(tmp_path):
     from replayer.store.master import free_port
 
     scenario = tmp_path / "s.yaml"
-    shutil.copy(REPO / "fixtures" / "store" / "shared_prefix_junction.yaml", scenario)
+    shutil.copy(STORE_SCENARIOS / "shared_prefix_junction.yaml", scenario)
     before = scenario.read_text()
     t = time.monotonic()
     proc = cli("check", "--update-golden", "--store", f"mooncake://127.0.0.1:{free_port()}",
@@ -111,15 +92,14 @@ def test_unreachable_master_fails_fast_and_writes_nothing(tmp_path):
     assert scenario.read_text() == before
 
 
-def test_master_killed_mid_replay_stops_with_the_store_and_step(api, tmp_path, monkeypatch,
+def test_master_killed_mid_replay_stops_with_the_store_and_step(tmp_path, monkeypatch,
                                                                 capsys):
-    _, _, _, MasterProcess, _ = api
     from replayer import cli as cli_mod
     from replayer.progress import ProgressBar
 
     victim = MasterProcess()
     scenario = tmp_path / "s.yaml"
-    shutil.copy(REPO / "fixtures" / "store" / "resend_after_reset.yaml", scenario)
+    shutil.copy(STORE_SCENARIOS / "resend_after_reset.yaml", scenario)
     before = scenario.read_text()
 
     def kill_at_step_3(self, p):
@@ -143,7 +123,7 @@ def test_master_killed_mid_replay_stops_with_the_store_and_step(api, tmp_path, m
 def test_put_error_code_is_surfaced_with_its_name(tmp_path):
     # Twelve distinct 50000-token prompts need ~30 MB of store; a 16 MB pool (the
     # smallest the client mounts) fills up and the master refuses further puts.
-    header = (REPO / "fixtures" / "store" / "shared_prefix_junction.yaml").read_text()
+    header = (STORE_SCENARIOS / "shared_prefix_junction.yaml").read_text()
     engine = header[header.index("engine:"):header.index("requests:")]
     reqs = "".join(f"  - {{id: r{i}, prompt: [{{stream: s{i}, len: 50000}}]}}\n"
                    for i in range(12))

@@ -7,12 +7,13 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 
-from helpers_traces import REPO, SMALL_SCENARIO, cli, listing, write_text
+from conftest import REPO, cli
+from helpers_traces import SMALL_SCENARIO, listing, write_text
 from traces import SCHEMA_VERSION, load_target, read_trace, write_trace
 from traces.materialize import TokenSource
 from traces.scenario import compile_scenario
 from traces.tokens import stream_tokens
-from traces.trace import golden_file
+from traces.golden_kind import golden_file
 
 
 def assert_same_trace(a, b) -> None:

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from .errors import TraceError
+from .errors import MAX_INT, TraceError, require_int, short  # noqa: F401 - MAX_INT re-exported
 
 # Files.
 MAX_YAML_BYTES = 8 << 20            # a scenario is written by hand: kilobytes
@@ -24,7 +24,7 @@ MAX_NESTING = 64                    # mappings and lists inside each other
 MAX_YAML_EXPANDED = 32_000_000     # values + characters after alias expansion (billion laughs)
 
 # Values.
-MAX_INT = 2**62                     # any integer field (int64 columns, numpy positions)
+# MAX_INT (2**62): any integer field, in traces.errors.require_int
 MAX_TOKENS = 1 << 24                # one request's prompt or output, and max_model_len
 MAX_SCENARIO_TOKENS = 1 << 25       # all prompts of a scenario (spelled out as int32)
 MAX_BLOCK_TOKENS = 1 << 20          # block_size, prefix_match_unit, prompt_blocks.block_tokens
@@ -34,22 +34,7 @@ MAX_IMPORT_BLOCK_IDS = 1 << 25      # block ids held while importing (~1 GB of P
 MAX_HASH_SEED = 4294967295          # what Python accepts in PYTHONHASHSEED
 
 
-def check_int(path: Any, where: str, value: Any, minimum: int,
-              maximum: int = MAX_INT) -> int:
-    """An integer in ``[minimum, maximum]`` (bools are not integers here)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceError(path, f"{where} must be an integer >= {minimum}, got {short(value)}")
-    if value < minimum:
-        raise TraceError(path, f"{where} must be an integer >= {minimum}, got {value!r}")
-    if value > maximum:
-        raise TraceError(path, f"{where} is {short(value)}, above the limit of {maximum}")
-    return value
-
-
-def short(value: Any) -> str:
-    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else (
-        f"an integer of {len(str(abs(value)))} digits")
-    return text if len(text) <= 60 else text[:57] + "..."
+check_int = require_int      # an integer in [minimum, maximum]; bools are not integers
 
 
 def check_hash_seed(path: Any, value: Any) -> None:

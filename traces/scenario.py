@@ -14,10 +14,11 @@ import numpy as np
 import pyarrow as pa
 from . import schema
 from .engine_spec import EngineBlock
-from .errors import TraceError
-from .goldens import EXPECT_FIELDS, ANY_ENGINE
-from .limits import MAX_INT, MAX_TOKENS, TokenBudget, check_int
+from .errors import MAX_INT, TraceError, require_int
+from .limits import MAX_TOKENS, TokenBudget
 from .safe_yaml import load_yaml_file
+from .goldens import KINDS
+from .store_goldens import STORE
 from .tokens import stream_tokens
 from .trace import Trace
 from .validate import validate_trace
@@ -46,10 +47,6 @@ def _unknown(path: Path, where: str, obj: dict[str, Any], known: tuple[str, ...]
             raise TraceError(path, f"unknown key {key!r} in {where} (known: {', '.join(known)})")
 
 
-def _int(path: Path, where: str, value: Any, minimum: int, maximum: int = MAX_INT) -> int:
-    return check_int(path, where, value, minimum, maximum)
-
-
 def _prompt_tokens(path: Path, where: str, prompt: Any, vocab: int,
                    budget: TokenBudget) -> np.ndarray:
     spans = prompt if isinstance(prompt, list) else [prompt]
@@ -64,8 +61,8 @@ def _prompt_tokens(path: Path, where: str, prompt: Any, vocab: int,
         stream = span.get("stream")
         if not isinstance(stream, str) or not stream:
             raise TraceError(path, f"{w}.stream must be a non-empty string")
-        start = _int(path, f"{w}.start", span.get("start", 0), 0)
-        length = _int(path, f"{w}.len", span.get("len"), 1, MAX_TOKENS)
+        start = require_int(path, f"{w}.start", span.get("start", 0), 0)
+        length = require_int(path, f"{w}.len", span.get("len"), 1, MAX_TOKENS)
         budget.take(path, f"{w}.len", length)
         parts.append(stream_tokens(stream, start, length, vocab))
     return np.concatenate(parts)
@@ -101,13 +98,13 @@ def compile_scenario(path: str | Path) -> Trace:
             raise TraceError(path, f"{where}: give either after or arrival_step, not both")
         cols["id"].append(str(rid))
         cols["arrival_step"].append(None if after is not None
-                                    else _int(path, f"{where}.arrival_step",
+                                    else require_int(path, f"{where}.arrival_step",
                                               req.get("arrival_step", 0), 0))
         cols["after"].append(None if after is None else str(after))
         cols["num_prompt_tokens"].append(len(tokens))
         cols["prompt_tokens"].append(tokens.astype(np.int32))
-        cols["output_len"].append(_int(path, f"{where}.output_len", req.get("output_len", 1), 1,
-                                       MAX_TOKENS))
+        cols["output_len"].append(require_int(path, f"{where}.output_len", req.get("output_len", 1), 1,
+                                              MAX_TOKENS))
         salt = req.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise TraceError(path, f"{where}.cache_salt must be a string")
@@ -138,9 +135,7 @@ def compile_scenario(path: str | Path) -> Trace:
     if data.get("description") is not None:
         header["description"] = str(data["description"])
     trace = Trace(header=header, requests=requests, events=events, path=path,
-                  goldens=_expect(path, data.get("expect"), set(cols["id"])),
-                  store_goldens=_expect_store(path, data.get("expect_store"), set(cols["id"]),
-                                              engine))
+                  **_goldens(path, data, engine, set(cols["id"])))
     validate_trace(path, trace)
     return trace
 
@@ -158,84 +153,20 @@ def _events(path: Path, events: Any) -> pa.Table | None:
         _unknown(path, where, ev, EVENT_KEYS)
         at = ev.get("at_step")
         if at is not None:
-            at = _int(path, f"{where}.at_step", at, 0)
+            at = require_int(path, f"{where}.at_step", at, 0)
         rows.append({"after": None if ev.get("after") is None else str(ev["after"]),
                      "at_step": at, "action": ev.get("action"),
                      "target": None if ev.get("target") is None else str(ev["target"])})
     return pa.Table.from_pylist(rows, schema=schema.EVENTS.arrow_schema())
 
 
-def _expect(path: Path, expect: Any, ids: set[str]) -> dict[str, dict[str, dict[str, int]]]:
-    """``expect:`` -> {engine key: {request id: {field: value}}}.
-
-    A plain ``expect: {id: {...}}`` applies to any engine without its own
-    entry; ``expect: {"vllm==0.29.0": {id: {...}}}`` pins one engine.
-    """
-    if expect is None:
-        return {}
-    if not isinstance(expect, dict):
-        raise TraceError(path, "expect must be a mapping")
-    keyed = bool(expect) and all(isinstance(k, str) and "==" in k for k in expect)
-    groups = expect if keyed else {ANY_ENGINE: expect}
-    out: dict[str, dict[str, dict[str, int]]] = {}
-    for engine_key, per_req in groups.items():
-        if not isinstance(per_req, dict):
-            raise TraceError(path, f"expect[{engine_key!r}] must be a mapping")
-        out[engine_key] = {}
-        for rid, fields in per_req.items():
-            rid = str(rid)
-            if rid not in ids:
-                raise TraceError(path, f"expect names unknown request {rid!r}")
-            if not isinstance(fields, dict):
-                raise TraceError(path, f"expect.{rid} must be a mapping of fields")
-            _unknown(path, f"expect.{rid}", fields, EXPECT_FIELDS)
-            for k, v in fields.items():
-                _int(path, f"expect.{rid}.{k}", v, 0)
-            out[engine_key][rid] = dict(fields)
-    return out
-
-
-def _expect_store(path: Path, expect: Any, ids: set[str],
-                  engine: EngineBlock) -> dict[str, dict[str, Any]]:
-    """``expect_store:`` -> {engine key: {"puts": {...}, "lookups": {...}}}.
-
-    Plain form applies to any engine; ``{"vllm==X": {...}}`` pins one.
-    """
-    if expect is None:
-        return {}
-    if not engine.connector:
-        raise TraceError(path, "expect_store needs engine.connector")
-    if not isinstance(expect, dict):
-        raise TraceError(path, "expect_store must be a mapping")
-    keyed = bool(expect) and all(isinstance(k, str) and "==" in k for k in expect)
-    groups = expect if keyed else {ANY_ENGINE: expect}
-    out: dict[str, dict[str, Any]] = {}
-    for engine_key, body in groups.items():
-        where = "expect_store" if engine_key == ANY_ENGINE else f"expect_store[{engine_key!r}]"
-        if not isinstance(body, dict):
-            raise TraceError(path, f"{where} must be a mapping")
-        _unknown(path, where, body, ("puts", "lookups"))
-        puts: dict[str, dict[int, list[int]]] = {}
-        for rid, groups_ in (body.get("puts") or {}).items():
-            rid = str(rid)
-            if rid not in ids:
-                raise TraceError(path, f"{where}.puts names unknown request {rid!r}")
-            if not isinstance(groups_, dict):
-                raise TraceError(path, f"{where}.puts.{rid} must map group -> [boundaries]")
-            puts[rid] = {}
-            for g, bs in groups_.items():
-                g = _int(path, f"{where}.puts.{rid} group", g, 0)
-                if not isinstance(bs, list):
-                    raise TraceError(path, f"{where}.puts.{rid}.{g} must be a list of boundaries")
-                puts[rid][g] = [_int(path, f"{where}.puts.{rid}.{g}[]", b, 1) for b in bs]
-        lookups: dict[str, int] = {}
-        for rid, hit in (body.get("lookups") or {}).items():
-            rid = str(rid)
-            if rid not in ids:
-                raise TraceError(path, f"{where}.lookups names unknown request {rid!r}")
-            lookups[rid] = _int(path, f"{where}.lookups.{rid}", hit, 0)
-        entry: dict[str, Any] = {"lookups": lookups}
-        if "puts" in body:
-            entry["puts"] = puts
-        out[engine_key] = entry
+def _goldens(path: Path, data: dict[str, Any], engine: EngineBlock,
+             ids: set[str]) -> dict[str, Any]:
+    """Each kind's block: the Trace fields holding {engine key: expectation}."""
+    out = {}
+    for kind in KINDS:
+        raw = data.get(kind.block)
+        if kind is STORE and raw is not None and not engine.connector:
+            raise TraceError(path, f"{STORE.block} needs engine.connector")
+        out[kind.attr] = kind.parse_block(path, raw, ids)
     return out

@@ -7,17 +7,21 @@ report says "group 1 @ 7296 (first) missing", whatever hash seed ran.
 
 In memory: ``{"puts": {request: {group: [boundaries]}}, "lookups": {request: hit}}``.
 A request looked up more than once keeps its first lookup (the one that decided
-its hit).
+its hit). In a scenario: ``expect_store: {puts: {...}, lookups: {...}}``; in
+a trace directory: ``golden/store-vllm-X.parquet``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from . import schema
+from .errors import TraceError, require_int
+from .golden_kind import GoldenKind
 
 StoreExpect = dict[str, dict[str, Any]]
 
@@ -97,3 +101,60 @@ def compare_store(expect: StoreExpect, actual: StoreExpect) -> list[StoreMismatc
         if got != hit:
             out.append(StoreMismatch("lookup", req, expected=hit, actual=got))
     return out
+
+
+class StoreGoldens(GoldenKind):
+    name = "store"
+    block = "expect_store"
+    levels = 2           # puts | lookups -> request id -> groups or hit
+    attr = "store_goldens"
+    file_prefix = "store-"
+    table = schema.GOLDEN_STORE
+
+    def parse_body(self, path: Path, where: str, body: dict[str, Any],
+                   ids: set[str]) -> StoreExpect:
+        for key in body:
+            if key not in ("puts", "lookups"):
+                raise TraceError(path, f"unknown key {key!r} in {where} (known: puts, lookups)")
+        puts: dict[str, dict[int, list[int]]] = {}
+        for rid, groups in (body.get("puts") or {}).items():
+            rid = str(rid)
+            if rid not in ids:
+                raise TraceError(path, f"{where}.puts names unknown request {rid!r}")
+            if not isinstance(groups, dict):
+                raise TraceError(path, f"{where}.puts.{rid} must map group -> [boundaries]")
+            puts[rid] = {}
+            for g, bs in groups.items():
+                g = require_int(path, f"{where}.puts.{rid} group", g, 0)
+                if not isinstance(bs, list):
+                    raise TraceError(path, f"{where}.puts.{rid}.{g} must be a list of boundaries")
+                puts[rid][g] = [require_int(path, f"{where}.puts.{rid}.{g}[]", b, 1) for b in bs]
+        lookups: dict[str, int] = {}
+        for rid, hit in (body.get("lookups") or {}).items():
+            rid = str(rid)
+            if rid not in ids:
+                raise TraceError(path, f"{where}.lookups names unknown request {rid!r}")
+            lookups[rid] = require_int(path, f"{where}.lookups.{rid}", hit, 0)
+        entry: StoreExpect = {"lookups": lookups}
+        if "puts" in body:
+            entry["puts"] = puts
+        return entry
+
+    def to_yaml(self, expect: StoreExpect) -> dict[str, Any]:
+        return {"puts": {rid: {int(g): [int(b) for b in bs] for g, bs in groups.items()}
+                         for rid, groups in expect.get("puts", {}).items()},
+                "lookups": dict(expect.get("lookups", {}))}
+
+    def from_table(self, table: pa.Table) -> StoreExpect:
+        return from_table(table)
+
+    def to_table(self, expect: StoreExpect, key: str) -> pa.Table:
+        return to_table(expect, key)
+
+    def count(self, expect: StoreExpect) -> tuple[int, int]:
+        """(keys written, lookups) an expectation holds."""
+        puts = sum(len(b) for g in expect.get("puts", {}).values() for b in g.values())
+        return puts, len(expect.get("lookups", {}))
+
+
+STORE = StoreGoldens()

@@ -1,8 +1,7 @@
 """A trace in memory, and reading/writing it as a directory of Parquet tables.
 
-Writes are atomic (:mod:`traces.atomic`): a trace directory is built under a
-temporary name beside the target and renamed into place, so a failure never
-leaves half a trace, and an existing trace is replaced only when asked.
+Writes are atomic: a trace directory is built under a temporary name beside the
+target and renamed into place, so a failure never leaves half a trace.
 """
 
 from __future__ import annotations
@@ -17,11 +16,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import schema, store_goldens
+from . import schema
+from .atomic import write_atomic, write_atomic_many
 from .engine_spec import EngineBlock
+from .atomic_dir import output_dir_plan, publish_dir
 from .errors import TraceError
-from .atomic import output_dir_plan, publish_dir, replace_file_with
-from .goldens import Goldens, expect_from_table, table_from_expect
+from .golden_kind import GoldenKind
+from .goldens import KINDS, Goldens, kind_of_file
 from .limits import MAX_JSON_BYTES, load_json, read_bounded
 from .sanity import check_golden_table
 from .validate import validate_header, validate_table, validate_trace
@@ -79,22 +80,13 @@ def header_json(header: dict[str, Any]) -> str:
     return json.dumps(header, indent=2, sort_keys=True) + "\n"
 
 
-STORE_GOLDEN_PREFIX = "store-"
-
-
-def golden_file(engine_key: str, store: bool = False) -> str:
-    """File name of one engine's golden table inside ``golden/``."""
-    safe = engine_key.replace("==", "-").replace("/", "_").replace(":", "_")
-    return f"{STORE_GOLDEN_PREFIX if store else ''}{safe}.parquet"
-
-
 def _write_table(path: Path, table: pa.Table) -> None:
     pq.write_table(table, path, compression="zstd")
 
 
 def write_trace(trace: Trace, out_dir: str | os.PathLike, *, force: bool = False,
                 inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
-    """Write ``trace`` to ``out_dir`` atomically (see :mod:`traces.atomic`).
+    """Write ``trace`` to ``out_dir`` atomically (see :mod:`traces.atomic_dir`).
 
     An existing trace there is replaced only with ``force``, a recorded one
     never; ``inputs`` (the files read) are never written over.
@@ -110,28 +102,26 @@ def _fill_trace_dir(trace: Trace, tmp: Path) -> None:
         table = trace.table(name)
         if table is not None:
             _write_table(tmp / schema.TABLES[name].file, table)
-    if trace.goldens:
-        (tmp / schema.GOLDEN_DIR).mkdir()
-        for key, expect in sorted(trace.goldens.items()):
-            _write_table(tmp / schema.GOLDEN_DIR / golden_file(key),
-                         table_from_expect(expect, key))
-    if trace.store_goldens:
-        (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
-        for key, expect in sorted(trace.store_goldens.items()):
-            _write_table(tmp / schema.GOLDEN_DIR / golden_file(key, store=True),
-                         store_goldens.to_table(expect, key))
+    for kind in KINDS:
+        for key, expect in sorted(getattr(trace, kind.attr).items()):
+            (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
+            _write_table(tmp / schema.GOLDEN_DIR / kind.file(key), kind.to_table(expect, key))
 
 
 def _replace_file(target: Path, table: pa.Table) -> Path:
     """Write ``table`` under a temporary name beside ``target``, then rename it."""
-    return replace_file_with(target, lambda tmp: _write_table(tmp, table))
+    return write_atomic(target, lambda tmp: _write_table(tmp, table))
 
 
-def write_golden(trace_dir: str | os.PathLike, engine_key: str, table: pa.Table,
-                 store: bool = False) -> Path:
-    """Replace one engine's golden table (or store golden) in a trace dir, atomically."""
-    gdir = Path(trace_dir) / schema.GOLDEN_DIR
-    return _replace_file(gdir / golden_file(engine_key, store=store), table)
+def golden_path(trace_dir: str | os.PathLike, kind: GoldenKind, key: str) -> Path:
+    """Where one engine's golden of ``kind`` lives in a trace directory."""
+    return Path(trace_dir) / schema.GOLDEN_DIR / kind.file(key)
+
+
+def write_tables(tables: dict[Path, pa.Table]) -> list[Path]:
+    """Replace several tables: all are written before the first is renamed."""
+    return write_atomic_many({path: (lambda tmp, t=table: _write_table(tmp, t))
+                              for path, table in tables.items()})
 
 
 def write_table_atomic(path: str | os.PathLike, spec: schema.Table,
@@ -245,21 +235,17 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
         skipped += got.skipped
         tables["requests"], tables["events"] = _fold_finishes(
             root, tables["requests"], got.table, tables["steps"], tables["events"], notes)
-    goldens: Goldens = {}
-    store_gold: dict[str, Any] = {}
+    goldens: dict[str, dict[str, Any]] = {kind.attr: {} for kind in KINDS}
     gdir = root / schema.GOLDEN_DIR
     if gdir.is_dir():
         for path in sorted(gdir.glob("*.parquet")):
-            is_store = path.name.startswith(STORE_GOLDEN_PREFIX)
-            table = _read_table(path, schema.GOLDEN_STORE if is_store else schema.GOLDEN)
+            kind = kind_of_file(path.name)
+            table = _read_table(path, kind.table)
             meta = table.schema.metadata or {}
             key = meta.get(b"engine", path.stem.encode()).decode(errors="replace")
-            check_golden_table(path, table, key, golden_file(key, store=is_store))
-            if is_store:
-                store_gold[key] = store_goldens.from_table(table)
-            else:
-                goldens[key] = expect_from_table(table)
-    trace = Trace(header=header, goldens=goldens, store_goldens=store_gold, path=root,
+            check_golden_table(path, table, key, kind.file(key))
+            goldens[kind.attr][key] = kind.from_table(table)
+    trace = Trace(header=header, **goldens, path=root,
                   skipped_parts=skipped, notes=notes, **tables)  # type: ignore[arg-type]
     validate_trace(root, trace)
     return trace

@@ -88,6 +88,12 @@ def part_name(rank: int, seq: int) -> str:
     return f"part-r{rank:03d}-{seq:06d}.parquet"
 
 
+def parts_on_disk(folder: Path) -> tuple[int, int]:
+    """(bytes, parts) of a recorded table's complete parts."""
+    parts = [p for p in folder.iterdir() if PART_RE.match(p.name)] if folder.is_dir() else []
+    return sum(p.stat().st_size for p in parts), len(parts)
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)

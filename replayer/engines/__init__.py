@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from traces.engine_spec import EngineBlock
 
-from .base import EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome, StepResult
+from .base import (EngineAdapter, EngineError, EngineInfo, EngineRequest, PrefillOutcome,
+                   StepResult, UnsupportedByEngine)
 
 if TYPE_CHECKING:
     from .specs import ResolvedEngine
@@ -28,15 +29,6 @@ ADAPTERS: dict[str, str] = {
     "0.32": "replayer.engines.vllm_0_29",
     "0.33": "replayer.engines.vllm_0_33",
 }
-
-
-class EngineError(RuntimeError):
-    """The engine cannot be built for this trace (bad geometry, unsupported release)."""
-
-
-class UnsupportedByEngine(EngineError):
-    """The trace needs something this engine cannot replay yet (a connector on a
-    release or tree); ``check`` over a folder skips such a target and says why."""
 
 
 def installed_vllm_version() -> str:

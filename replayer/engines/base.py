@@ -11,6 +11,17 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from traces.golden_kind import engine_key
+
+
+class EngineError(RuntimeError):
+    """The engine cannot be built for this trace (bad geometry, unsupported release)."""
+
+
+class UnsupportedByEngine(EngineError):
+    """The trace needs something this engine cannot replay yet (a connector on a
+    release or tree); ``check`` over a folder skips such a target and says why."""
+
 
 @dataclass(frozen=True)
 class EngineRequest:
@@ -65,7 +76,7 @@ class EngineInfo:
     @property
     def key(self) -> str:
         """The key goldens are filed under, e.g. ``vllm==0.33.0``."""
-        return f"vllm=={self.vllm}"
+        return engine_key(self.vllm)
 
     @property
     def label(self) -> str:

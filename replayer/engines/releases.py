@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from . import EngineError
+from .base import EngineError
 
 CACHE_ENV = "PREFIX_REPLAYER_CACHE"
 

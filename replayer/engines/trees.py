@@ -20,7 +20,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from . import EngineError
+from .base import EngineError
 
 MARKER = Path("v1") / "engine" / "core.py"      # present in every release the adapters serve
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)

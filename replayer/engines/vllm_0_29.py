@@ -44,7 +44,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpe
 
 from traces.engine_spec import EngineBlock
 
-from . import UnsupportedByEngine
+from .base import UnsupportedByEngine
 from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
                           cache_kwargs, plan_layers, scheduler_kwargs)
 

@@ -11,13 +11,14 @@ belongs to; otherwise those two columns stay null.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
 from traces import schema
+from traces.atomic import write_atomic
+from traces.trace import header_json
 from traces.writer import PartWriter, RecordingError, close_all
 
 RECORD_ENV = "PREFIX_REPLAYER_RECORD_DIR"
@@ -69,11 +70,8 @@ def writer_options() -> dict[str, Any]:
 
 
 def write_header(out: Path, header: dict[str, Any]) -> None:
-    from traces.atomic import write_file_atomic
-
     try:
-        write_file_atomic(out / schema.HEADER_FILE,
-                          json.dumps(header, indent=2, sort_keys=True) + "\n")
+        write_atomic(out / schema.HEADER_FILE, header_json(header))
     except OSError as exc:
         raise RecordingError(exc.filename or out / schema.HEADER_FILE,
                              f"cannot write the header ({exc.strerror or exc})") from None
