@@ -70,6 +70,11 @@ SCENARIO_CASES = {
         ["requests[2].prompt[0].len: the prompts add up to more than 33554432 tokens"]),
     "num_gpu_blocks_1e10": ("engine: {num_gpu_blocks: 10000000000}\nrequests:\n" + OK_REQ,
                             ["engine.num_gpu_blocks is 10000000000, above the limit of 4194304"]),
+    "num_gpu_blocks_sized_past_the_limit": (
+        "engine: {block_size: 1, kv_groups: [{kind: full_attention, block_size: 1}]}\n"
+        "requests:\n  - {id: a, prompt: {stream: s, len: 2000000}}\n",
+        ["engine.num_gpu_blocks omitted: sized for the longest request it would be 8000008, "
+         "above the limit of 4194304"]),
     "int_1e30_block_size": (f"engine: {{block_size: {10**30}}}\nrequests:\n" + OK_REQ,
                             ["engine.block_size is " + E30 + ", above the limit"]),
     "int_1e30_start": (f"requests:\n  - {{id: a, prompt: {{stream: s, start: {10**30}, len: 3}}}}\n",

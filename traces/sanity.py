@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 
 from .engine_spec import EngineBlock
 from .errors import TraceError
-from .limits import MAX_BLOCK_TOKENS, MAX_TOKENS, check_int
+from .limits import MAX_BLOCK_TOKENS, MAX_GPU_BLOCKS, MAX_TOKENS, check_int
 
 
 def _first_true(mask) -> int | None:
@@ -109,3 +109,15 @@ def check_golden_table(path: Path, table: pa.Table, key: str, expected_file: str
             shown = item[0] if len(item) == 1 else item
             raise TraceError(path, f"{what} {shown!r}", column=column, row=row)
         seen.add(item)
+
+
+def check_sized_engine(path: Path, trace: Any) -> None:
+    """The KV blocks the replay would build (given, or sized for the longest request)
+    stay within MAX_GPU_BLOCKS: refused now, not after vLLM has allocated them."""
+    if trace.requests.num_rows == 0:
+        return
+    blocks = trace.sized_engine().num_gpu_blocks
+    if blocks is not None and blocks > MAX_GPU_BLOCKS:
+        raise TraceError(path, f"engine.num_gpu_blocks omitted: sized for the longest request it "
+                               f"would be {blocks}, above the limit of {MAX_GPU_BLOCKS}; set "
+                               "engine.num_gpu_blocks (or a larger block_size)")

@@ -15,7 +15,8 @@ import pyarrow.compute as pc
 from . import schema
 from .engine_spec import EngineBlock
 from .errors import TraceError
-from .sanity import check_async_scheduling, check_header_bounds, check_request_bounds
+from .sanity import (check_async_scheduling, check_header_bounds, check_request_bounds,
+                     check_sized_engine)
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -187,6 +188,7 @@ def validate_trace(root: Path, trace: "Trace") -> None:
     check_async_scheduling(where(schema.HEADER_FILE), trace.engine,
                            (trace.header.get("source") or {}).get("kind"))
     validate_requests(where(schema.REQUESTS.file), trace.header, trace.requests)
+    check_sized_engine(where(schema.HEADER_FILE), trace)
     ids = set(trace.requests["id"].to_pylist())
     if trace.events is not None:
         validate_events(where(schema.EVENTS.file), trace.events, ids)
