@@ -28,8 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import public_trace  # noqa: E402  (benchmarks/, first on sys.path when run as a script)
+
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 KV_TOKENS = 2 * 1024 * 1024
 GEOMETRIES = {
@@ -93,10 +94,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="first 1,000 requests only")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    public_trace.add_argument(ap)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(_child(*args.child)))
         return
+    source = public_trace.trace_path(args)
     sys.path.insert(0, str(ROOT))
     from traces.importers.mooncake import import_mooncake
     from traces.trace import write_trace
@@ -107,7 +110,7 @@ def main() -> None:
           f"{'steps':>7} {'vllm s':>7} {'harness s':>9} {'ratio':>6} {'rss MB':>7} {'hit':>6}")
     for name in args.geometry or list(GEOMETRIES):
         for limit in slices:
-            trace = import_mooncake(SOURCE, limit=limit, engine=GEOMETRIES[name])
+            trace = import_mooncake(source, limit=limit, engine=GEOMETRIES[name])
             tdir = write_trace(trace, work / f"{name}-{limit or 'all'}")
             ms = trace.requests["arrival_ms"].to_pylist()
             real_s = (ms[-1] - ms[0]) / 1000 or 1.0

@@ -48,6 +48,15 @@ class ReplayResult:
     store: dict[str, Any] | None = None
     # vLLM's KV-cache groups in its own order (kind, EAGLE drop), when the adapter tells.
     kv_groups: list[dict[str, Any]] | None = None
+    # Tokens every prefix hit is a multiple of (vLLM's cache_hit_alignment_tokens),
+    # when the adapter tells; not part of the JSON.
+    hit_alignment: int | None = None
+    # When each request last looked up the prefix cache, (engine step, lookup
+    # number), and the engine step it finished in (steps counted as run, not
+    # the clock): who could see whose prefix (replayer.explain). Adapters that
+    # tell; not part of the JSON.
+    lookups: dict[str, tuple[int, int]] | None = None
+    finished_engine_step: dict[str, int] = field(default_factory=dict)
     # Settings of the trace this engine does not have, and how it replayed
     # without them (older releases); said on stderr, never part of the JSON.
     notes: list[str] = field(default_factory=list)
@@ -127,6 +136,7 @@ def replay(trace: Trace, engine: EngineAdapter,
     n = len(rows.ids)
     index = {rid: i for i, rid in enumerate(rows.ids)}
     results: list[RequestOutcome | None] = [None] * n
+    finished_engine_step: dict[str, int] = {}
     order: list[int] = []
     clock = steps_run = idle = done = prompt_done = cached_done = 0
 
@@ -191,6 +201,7 @@ def replay(trace: Trace, engine: EngineAdapter,
             r = results[index[rid]]
             if r.finish_step is None:
                 r.finish_step = clock - 1
+                finished_engine_step[rid] = steps_run
             done += 1
             prompt_done += r.num_prompt_tokens
             cached_done += r.num_cached_tokens or 0
@@ -208,5 +219,7 @@ def replay(trace: Trace, engine: EngineAdapter,
     return ReplayResult(engine=engine.info, requests=[results[i] for i in order],
                         steps=steps_run, store=engine.store_report(),
                         kv_groups=engine.kv_groups(), notes=list(engine.notes),
+                        hit_alignment=engine.hit_alignment(), lookups=engine.lookups(),
+                        finished_engine_step=finished_engine_step,
                         timings={"loop_s": time.perf_counter() - t_start,
                                  "vllm_s": engine.vllm_seconds()})

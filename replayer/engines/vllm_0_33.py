@@ -23,15 +23,13 @@ from typing import Any
 
 import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
-                         SchedulerConfig, SpeculativeConfig, VllmConfig)
+from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowSpec)
 
 from traces.engine_spec import EngineBlock
 
-from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
-                          cache_kwargs, plan_layers, scheduler_kwargs)
+from .core_driver import CoreEngine, LayerPlan, NullExecutor, build_config, plan_layers
 
 
 VERSIONS = ("0.33",)          # release range this adapter serves
@@ -78,32 +76,17 @@ def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
 
 
 def build_vllm_config(engine: EngineBlock) -> VllmConfig:
-    """A sized engine block as vLLM's own config objects; vLLM resolves the rest."""
-    model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
-                        max_model_len=engine.max_model_len, dtype="float16")
-    parallel = ParallelConfig(distributed_executor_backend=StoreAwareExecutor)
-    cache = CacheConfig(**cache_kwargs(engine))
-    scheduler = SchedulerConfig(**scheduler_kwargs(engine))
-    speculative = None
-    spec = engine.speculative
-    if spec is not None:
-        speculative = SpeculativeConfig(
-            method=spec.method, model=str(DRAFT_MODEL),
-            num_speculative_tokens=spec.num_speculative_tokens,
-            disable_lookahead_block_hashes=spec.disable_lookahead_block_hashes,
-            target_model_config=model, target_parallel_config=parallel)
+    """The shared config, plus 0.33's lookahead-hash flag and the store connector."""
     kv_transfer = None
     if engine.connector:
         from .mooncake_0_33 import kv_transfer_config
 
         kv_transfer = kv_transfer_config(engine)
-    config = VllmConfig(model_config=model, cache_config=cache, parallel_config=parallel,
-                        scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"),
-                        speculative_config=speculative, kv_transfer_config=kv_transfer)
-    # On a platform vLLM does not know (CPU without its kernels) it turns the
-    # hybrid KV-cache manager off; production GPUs keep it on.
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    return config
+    spec = engine.speculative
+    lookahead = None if spec is None else {
+        "disable_lookahead_block_hashes": spec.disable_lookahead_block_hashes}
+    return build_config(engine, StoreAwareExecutor, speculative_args=lookahead,
+                        kv_transfer=kv_transfer)
 
 
 class Vllm033Engine(CoreEngine):
@@ -137,7 +120,7 @@ class Vllm033Engine(CoreEngine):
             self.session.attach_scheduler(self.scheduler)
         from .explain_0_33 import GroupHits
 
-        self.group_hits = GroupHits(self.scheduler)
+        self.group_hits = GroupHits(self.scheduler, step=lambda: self._step)
 
     # -- hooks into the shared driver ------------------------------------
     def _kv_output(self, scheduler_output):
@@ -172,6 +155,15 @@ class Vllm033Engine(CoreEngine):
     def kv_groups(self) -> list[dict[str, Any]]:
         """vLLM's KV-cache groups, in its order: kind and whether the EAGLE drop applies."""
         return self.group_hits.describe()
+
+    def lookups(self) -> dict[str, tuple[int, int]]:
+        """Each request's last prefix lookup: (engine step, lookup number)."""
+        return dict(self.group_hits.lookups)
+
+    def hit_alignment(self) -> int:
+        """vLLM's own granularity of prefix hits (``cache_hit_alignment_tokens``)."""
+        cfg = self.scheduler.kv_cache_config
+        return int(cfg.cache_hit_alignment_tokens or cfg.hash_block_size or 1)
 
     def store_report(self) -> dict[str, Any] | None:
         """Store operations recorded so far (None without a connector)."""
