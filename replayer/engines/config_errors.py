@@ -69,7 +69,6 @@ def describe(exc: BaseException, version: str) -> str:
                     or f"vLLM's {cls}")
             more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
             return f"{name}: vLLM {version} {BUILD_FAILED}: {reason}{more}"
+    # Not pydantic: vLLM's own sentence names what it needs (a guess could mislead).
     text = " ".join(str(exc).split()) or type(exc).__name__
-    name = _mentioned_field("", text)
-    prefix = f"{name}: " if name else ""
-    return f"{prefix}vLLM {version} {BUILD_FAILED}: {text[:300]}"
+    return f"vLLM {version} {BUILD_FAILED}: {text[:300]}"
