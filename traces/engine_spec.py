@@ -24,6 +24,7 @@ from math import ceil
 from typing import Any, Mapping
 
 from .errors import TraceError
+from .limits import check_engine_bounds, check_int
 
 GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla")
 CONNECTORS = ("mooncake_store",)
@@ -239,9 +240,7 @@ _INT_KEYS = ("block_size", "prefix_match_unit", "max_num_batched_tokens", "max_n
 
 
 def _check_int(where: str, key: str, value: Any, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TraceError(where, f"engine.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return check_int(where, f"engine.{key}", value, minimum)
 
 
 def _check_types(where: str, engine: dict[str, Any]) -> None:
@@ -323,6 +322,7 @@ def _build(where: str, raw: Any) -> EngineBlock:
     for key in _INT_KEYS:
         if key in raw:
             _check_int(where, key, raw[key])
+    check_engine_bounds(where, raw)     # sizes that would exhaust memory, hash_seed, ...
     if raw.get("prefix_cache_retention_interval") is not None:
         _check_int(where, "prefix_cache_retention_interval",
                    raw["prefix_cache_retention_interval"], minimum=0)

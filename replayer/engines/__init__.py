@@ -107,8 +107,11 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
     try:
         adapter = module.open_engine(engine, version, store=store, record_dir=record_dir)
     except (ValueError, AssertionError, NotImplementedError) as exc:
-        # vLLM validates geometry with ValueError/AssertionError: say it in one line.
-        raise EngineError(f"vLLM {version} cannot build this engine: {_first_line(exc)}") from exc
+        # vLLM validates geometry with ValueError/AssertionError (pydantic's too):
+        # one line naming the engine field (replayer.engines.config_errors).
+        from .config_errors import describe
+
+        raise EngineError(describe(exc, version)) from exc
     adapter.info = info
     # Defaults the replayer chose where vLLM's would be refused are said first.
     adapter.notes = [*engine.chosen, *adapter.notes]

@@ -434,7 +434,16 @@ class CoreEngine(EngineAdapter):
         return self._schedule.seconds + self._update.seconds
 
     def close(self) -> None:
+        from traces.writer import RecordingError
+
         try:
             self.core.shutdown()
+        except RecordingError:
+            # A recorder's last flush failed: the trace is incomplete. vLLM's shutdown
+            # stopped at the scheduler; undo its gc.freeze() as it would have.
+            import gc
+
+            gc.unfreeze()
+            raise
         except Exception:  # noqa: BLE001 - shutdown of a null executor has nothing to lose
             pass

@@ -384,6 +384,8 @@ class StoreConnectorEngine(CoreEngine):
                 "lookups": list(ops.lookups), "seconds": self.session.recorder.seconds}
 
     def close(self) -> None:
-        super().close()
-        if self.session is not None:
-            self.session.close()
+        try:
+            super().close()
+        finally:
+            if self.session is not None:
+                self.session.close()
