@@ -38,6 +38,14 @@ def _quiet_vllm(verbose: bool) -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    # The recorder logs a failed write at once (a server's log); here the error line says it.
+    logging.getLogger("prefix_replayer.recorder").addHandler(logging.NullHandler())
+
+
+def force_opt(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--force", action="store_true",
+                    help="replace an existing trace at -o (never a recorded one; replaced "
+                         "goldens are named on stderr)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -138,11 +146,13 @@ def _parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="compile a scenario into a trace directory")
     comp.add_argument("scenario")
     comp.add_argument("-o", "--output", required=True, help="trace directory to write")
+    force_opt(comp)
 
     imp = sub.add_parser("import", help="import a public trace format")
     imp.add_argument("format", choices=["mooncake"])
     imp.add_argument("file")
     imp.add_argument("-o", "--output", required=True, help="trace directory to write")
+    force_opt(imp)
     imp.add_argument("--limit", type=int, help="only the first N requests")
     imp.add_argument("--engine", metavar="ENGINE.yaml", help="YAML file with an engine: block")
     imp.add_argument("--step-ms", type=int, default=None,
@@ -154,6 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     anon = sub.add_parser("anonymize", help="replace token ids by block-hash-derived tokens")
     anon.add_argument("target", help="trace directory (or scenario)")
     anon.add_argument("-o", "--output", required=True, help="trace directory to write")
+    force_opt(anon)
     anon.add_argument("--unit", type=int, help="tokens per hashed chunk (default: the largest "
                                                "that divides every block size, the PMU and the "
                                                "lookahead offset of EAGLE's block hashes)")
@@ -209,6 +220,8 @@ def _store_spec(args):
 def _replay(target, args, run):
     """Replay ``target`` on ``run`` (from :func:`replayer.runner.engine_runner`);
     says each engine note once on stderr."""
+    from .engines import EngineError
+    from .engines.config_errors import BUILD_FAILED
     from .progress import ProgressBar
 
     store = _store_spec(args)
@@ -219,6 +232,10 @@ def _replay(target, args, run):
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
         result = run(target, progress=bar, store=store)
+    except EngineError as exc:
+        if BUILD_FAILED in str(exc) and target.path is not None:   # name the file it came from
+            raise TraceError(target.path, str(exc)) from None
+        raise
     finally:
         bar.close()
     for note in result.notes:
@@ -236,13 +253,15 @@ def cmd_run(args) -> int:
     from .runner import engine_runner
 
     spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
+    _check_outputs(args)                    # and an output that cannot be written
     trace = _load_with_sets(args.target, args.set)
     _note_skipped(trace)
     if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
+    _check_store_applies(args, [trace])
     with engine_runner(spec) as run:
         result = _replay(trace, args, run)
-    print(run_table(result))
+    print(run_table(result), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.store_ops:
         from traces.trace import write_table_atomic
         from traces import schema
@@ -255,14 +274,38 @@ def cmd_run(args) -> int:
     return EXIT_OK
 
 
+def _check_outputs(args) -> None:
+    """``--json`` and ``--store-ops`` files that cannot be written fail before the replay."""
+    from traces.atomic_dir import check_output_file
+
+    if getattr(args, "json", None) and args.json != "-":
+        check_output_file(args.json, "--json")
+    if getattr(args, "store_ops", None):
+        check_output_file(args.store_ops, "--store-ops")
+
+
+def _check_store_applies(args, traces) -> None:
+    """``--store``/``--store-capacity`` only mean something for a trace with a connector."""
+    if args.store == "memory" and args.store_capacity is None:
+        return
+    _store_spec(args)                       # a bad value is named first
+    if not any(t.engine.connector for t in traces):
+        what = "--store " + args.store if args.store != "memory" else "--store-capacity"
+        where = traces[0].path if len(traces) == 1 else "the targets"
+        raise TraceError(where, f"{what} applies to a trace with engine.connector, and "
+                                f"{'it has' if len(traces) == 1 else 'none has'} none")
+
+
 def _expand_targets(targets: Sequence[str]) -> list[Path]:
     """Folders that are not traces expand to the scenarios and traces inside."""
     out: list[Path] = []
     for t in targets:
         p = Path(t)
         if p.is_dir() and not (p / "header.json").exists():
-            found = sorted(q for q in p.rglob("*") if q.suffix in (".yaml", ".yml")
+            found = sorted(q for q in p.rglob("*") if (q.suffix in (".yaml", ".yml")
                            or (q.is_dir() and (q / "header.json").exists()))
+                           # dot-names: temporaries of a killed import, hidden folders
+                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
             if not found:
                 raise TraceError(p, "holds no scenario (.yaml) or trace directory")
             out.extend(found)
@@ -283,6 +326,7 @@ def cmd_check(args) -> int:
     if args.set and args.update_golden:
         raise TraceError("--set", "goldens belong to the trace's own geometry "
                                   "(drop --update-golden)")
+    _check_store_applies(args, [t for _, t in traces])
     for _, trace in traces:
         _note_skipped(trace)
     if args.against == "recorded":
@@ -465,13 +509,15 @@ def cmd_diff(args) -> int:
     if len(args.engine) != 2:
         return _err(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
     specs = [parse_spec(e) for e in args.engine]
+    _check_outputs(args)
     trace = load_target(args.target)
+    _check_store_applies(args, [trace])
     results = []
     for spec in specs:
         with engine_runner(spec) as run:
             results.append(_replay(trace, args, run))
     d = compare_results(*results)
-    print(diff_table(d))
+    print(diff_table(d), file=sys.stderr if args.json == "-" else sys.stdout)
     text = json.dumps(d.as_dict(), indent=2) + "\n"
     if args.json == "-":
         sys.stdout.write(text)
@@ -489,6 +535,7 @@ def cmd_bisect(args) -> int:
         print(text, flush=True)
 
     trace = load_target(args.target)
+    _check_store_applies(args, [trace])
 
     def replay_on(spec):
         with engine_runner(spec) as run:        # each engine's process ends with its replay
@@ -510,12 +557,28 @@ def cmd_bisect(args) -> int:
     return EXIT_OK if res.first_bad is not None else EXIT_MISMATCH
 
 
+def _plan_output(args, inputs) -> list[str]:
+    """Refuse a bad ``-o`` before reading anything; the notes to say once written
+    (what ``--force`` replaced, temporaries of killed runs removed)."""
+    from traces.atomic_dir import clean_stale, output_dir_plan
+
+    notes = output_dir_plan(args.output, args.force, inputs)
+    return notes + clean_stale(Path(args.output).absolute())
+
+
+def _say(notes: list[str]) -> None:
+    for note in notes:
+        print(f"replayer: note: {note}", file=sys.stderr)
+
+
 def cmd_compile(args) -> int:
     from traces.scenario import compile_scenario
     from traces.trace import write_trace
 
+    notes = _plan_output(args, [args.scenario])
     trace = compile_scenario(args.scenario)
-    out = write_trace(trace, args.output)
+    out = write_trace(trace, args.output, force=args.force, inputs=(args.scenario,))
+    _say(notes)
     print(f"wrote {out} ({trace.requests.num_rows} requests)")
     return EXIT_OK
 
@@ -531,7 +594,11 @@ def _engine_yaml(path: str):
             raise TraceError(p, f"unknown key {key!r} (an engine file holds only 'engine:')")
     if "engine" not in data:
         raise TraceError(p, "no 'engine:' block")
-    return EngineBlock.from_dict(str(p), data["engine"])
+    from traces.sanity import check_async_scheduling
+
+    engine = EngineBlock.from_dict(str(p), data["engine"])
+    check_async_scheduling(p, engine, "imported")
+    return engine
 
 
 def cmd_import(args) -> int:
@@ -544,9 +611,11 @@ def cmd_import(args) -> int:
     step_ms = DEFAULT_STEP_MS if args.step_ms is None else args.step_ms
     if step_ms < 1:
         return _err("--step-ms must be at least 1")
+    notes = _plan_output(args, [args.file])
     engine = _engine_yaml(args.engine) if args.engine else None
     trace = import_mooncake(args.file, limit=args.limit, engine=engine, step_ms=step_ms)
-    out = write_trace(trace, args.output)
+    out = write_trace(trace, args.output, force=args.force, inputs=(args.file,))
+    _say(notes)
     print(f"wrote {out} ({trace.requests.num_rows} requests)")
     return EXIT_OK
 
@@ -601,10 +670,13 @@ def cmd_anonymize(args) -> int:
             return _err(f"--secret must be hexadecimal, got {args.secret!r}")
         if not 1 <= len(secret) <= 64:
             return _err("--secret must be 1 to 64 bytes")
+    notes = _plan_output(args, [args.target])
     trace = load_target(args.target)
     _note_skipped(trace)
     unit = args.unit or default_unit(trace.engine)
-    out = write_trace(anonymize(trace, unit=unit, secret=secret), args.output)
+    out = write_trace(anonymize(trace, unit=unit, secret=secret), args.output, force=args.force,
+                      inputs=(args.target,))
+    _say(notes)
     print(f"wrote {out} ({trace.requests.num_rows} requests; tokens replaced by ids of "
           f"{unit}-token chunks)")
     return EXIT_OK
@@ -634,6 +706,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except (TraceError, EngineError, ReplayError, StoreError) as exc:
         return _err(str(exc))
+    except OSError as exc:                  # a disk that is full, read-only, gone
+        where = exc.filename or "replayer"
+        return _err(f"{where}: {exc.strerror or exc}")
     except KeyboardInterrupt:
         return 130
 

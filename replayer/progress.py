@@ -10,9 +10,10 @@ from .replay import Progress
 
 
 class ProgressBar:
-    def __init__(self, stream: TextIO = sys.stderr, delay: float = 2.0,
+    def __init__(self, stream: TextIO | None = None, delay: float = 2.0,
                  interval: float = 0.2, enabled: bool | None = None) -> None:
-        self.stream = stream
+        # sys.stderr as it is now, not as it was when this module was imported
+        self.stream = stream = stream if stream is not None else sys.stderr
         self.enabled = stream.isatty() if enabled is None else enabled
         self.start = time.monotonic()
         self.delay = delay

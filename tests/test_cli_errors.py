@@ -160,7 +160,7 @@ def test_failed_compile_keeps_the_previous_trace(tmp_path):
     out = make_trace_dir(tmp_path, "OUT")
     before = {p: (out / p).read_bytes() for p in listing(out) if (out / p).is_file()}
     bad = write_text(tmp_path / "bad.yaml", "requests:\n" + OK_REQ + "bogus: 1\n")
-    assert_bad_input(cli("compile", bad, "-o", out), "bad.yaml", "unknown key 'bogus'")
+    assert_bad_input(cli("compile", bad, "-o", out, "--force"), "bad.yaml", "unknown key 'bogus'")
     assert {p: (out / p).read_bytes() for p in listing(out) if (out / p).is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT", "OUT.yaml", "bad.yaml"]
 
@@ -362,7 +362,7 @@ def test_mooncake_error_keeps_the_previous_trace(tmp_path):
     assert cli("import", "mooncake", good, "-o", tmp_path / "OUT").returncode == 0
     header = (tmp_path / "OUT" / "header.json").read_text()
     bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, "{"])
-    assert_bad_input(cli("import", "mooncake", bad, "-o", tmp_path / "OUT"), "bad.jsonl",
+    assert_bad_input(cli("import", "mooncake", bad, "-o", tmp_path / "OUT", "--force"), "bad.jsonl",
                      "row 1")
     assert (tmp_path / "OUT" / "header.json").read_text() == header
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT", "bad.jsonl", "good.jsonl"]

@@ -232,7 +232,8 @@ def test_engine_that_cannot_hold_one_request_is_bad_input(tmp_path):
     proc = cli("run", str(path))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("replayer: error: vLLM 0.33.0 cannot build")
+    assert len(lines) == 1
+    assert lines[0].startswith(f"replayer: error: {path}: vLLM 0.33.0 cannot build")   # names the file
 
 
 def test_group_hits_explain_which_group_stopped_the_hit():

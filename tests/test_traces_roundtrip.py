@@ -102,7 +102,7 @@ def test_rewrite_replaces_trace_atomically(tmp_path):
     out = write_trace(compile_scenario(src), tmp_path / "out")
     src2 = write_text(tmp_path / "s2.yaml", SMALL_SCENARIO.replace("len: 33", "len: 12")
                       .split("expect:")[0])
-    write_trace(compile_scenario(src2), out)
+    write_trace(compile_scenario(src2), out, force=True)
     back = read_trace(out)
     assert back.requests["num_prompt_tokens"].to_pylist() == [47, 49, 12]
     assert back.goldens == {}

@@ -20,8 +20,21 @@ class TraceError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
-def require_int(path: object, where: str, value: object, minimum: int) -> int:
-    """``value`` if it is an integer (not a bool) of at least ``minimum``, else bad input."""
+MAX_INT = 2**62     # any integer field (int64 columns, numpy positions); see traces.limits
+
+
+def require_int(path: object, where: str, value: object, minimum: int,
+                maximum: int = MAX_INT) -> int:
+    """``value`` if it is an integer (not a bool) in ``[minimum, maximum]``, else bad input."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TraceError(path, f"{where} must be an integer >= {minimum}, got {value!r}")
+        raise TraceError(path, f"{where} must be an integer >= {minimum}, got {short(value)}")
+    if value > maximum:
+        raise TraceError(path, f"{where} is {short(value)}, above the limit of {maximum}")
     return value
+
+
+def short(value: object) -> str:
+    """A value as an error line shows it: never thousands of digits or characters."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 200 else (
+        f"an integer of {len(str(abs(value)))} digits")
+    return text if len(text) <= 60 else text[:57] + "..."

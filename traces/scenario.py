@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import yaml
-
 from . import schema
 from .engine_spec import EngineBlock
-from .errors import TraceError, require_int
+from .errors import MAX_INT, TraceError, require_int
+from .limits import MAX_TOKENS, TokenBudget
+from .safe_yaml import load_yaml_file
 from .goldens import KINDS
 from .store_goldens import STORE
 from .tokens import stream_tokens
@@ -35,21 +35,7 @@ def is_scenario_path(path: str | Path) -> bool:
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise TraceError(path, "no such file") from None
-    except OSError as exc:
-        raise TraceError(path, f"cannot read ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise TraceError(path, f"not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" at line {mark.line + 1}" if mark else ""
-        if isinstance(exc, yaml.reader.ReaderError):   # no mark; its str() spans two lines
-            line = f" at character {exc.position}"
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise TraceError(path, f"invalid YAML{line}: {problem}") from None
+    data = load_yaml_file(path)      # bounded: size, nesting, aliases, duplicate keys
     if not isinstance(data, dict):
         raise TraceError(path, "a scenario must be a YAML mapping")
     return data
@@ -61,7 +47,8 @@ def _unknown(path: Path, where: str, obj: dict[str, Any], known: tuple[str, ...]
             raise TraceError(path, f"unknown key {key!r} in {where} (known: {', '.join(known)})")
 
 
-def _prompt_tokens(path: Path, where: str, prompt: Any, vocab: int) -> np.ndarray:
+def _prompt_tokens(path: Path, where: str, prompt: Any, vocab: int,
+                   budget: TokenBudget) -> np.ndarray:
     spans = prompt if isinstance(prompt, list) else [prompt]
     if not spans:
         raise TraceError(path, f"{where}.prompt is empty")
@@ -75,7 +62,8 @@ def _prompt_tokens(path: Path, where: str, prompt: Any, vocab: int) -> np.ndarra
         if not isinstance(stream, str) or not stream:
             raise TraceError(path, f"{w}.stream must be a non-empty string")
         start = require_int(path, f"{w}.start", span.get("start", 0), 0)
-        length = require_int(path, f"{w}.len", span.get("len"), 1)
+        length = require_int(path, f"{w}.len", span.get("len"), 1, MAX_TOKENS)
+        budget.take(path, f"{w}.len", length)
         parts.append(stream_tokens(stream, start, length, vocab))
     return np.concatenate(parts)
 
@@ -93,6 +81,7 @@ def compile_scenario(path: str | Path) -> Trace:
     cols: dict[str, list[Any]] = {k: [] for k in (
         "id", "arrival_step", "after", "num_prompt_tokens", "prompt_tokens", "output_len",
         "cache_salt", "priority")}
+    budget = TokenBudget()
     for i, req in enumerate(reqs):
         where = f"requests[{i}]"
         if not isinstance(req, dict):
@@ -103,7 +92,7 @@ def compile_scenario(path: str | Path) -> Trace:
             raise TraceError(path, f"{where}.id must be a string")
         if "prompt" not in req:
             raise TraceError(path, f"{where} has no prompt")
-        tokens = _prompt_tokens(path, where, req["prompt"], vocab)
+        tokens = _prompt_tokens(path, where, req["prompt"], vocab, budget)
         after = req.get("after")
         if after is not None and "arrival_step" in req:
             raise TraceError(path, f"{where}: give either after or arrival_step, not both")
@@ -114,14 +103,16 @@ def compile_scenario(path: str | Path) -> Trace:
         cols["after"].append(None if after is None else str(after))
         cols["num_prompt_tokens"].append(len(tokens))
         cols["prompt_tokens"].append(tokens.astype(np.int32))
-        cols["output_len"].append(require_int(path, f"{where}.output_len", req.get("output_len", 1), 1))
+        cols["output_len"].append(require_int(path, f"{where}.output_len", req.get("output_len", 1), 1,
+                                              MAX_TOKENS))
         salt = req.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise TraceError(path, f"{where}.cache_salt must be a string")
         cols["cache_salt"].append(salt)
         priority = req.get("priority")
-        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-            raise TraceError(path, f"{where}.priority must be an integer")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)
+                                     or abs(priority) > MAX_INT):
+            raise TraceError(path, f"{where}.priority must be an integer of at most {MAX_INT}")
         cols["priority"].append(priority)
     spec = schema.REQUESTS
     arrays = {}

@@ -48,7 +48,8 @@ def block_tokens(block_ids: np.ndarray | list[int], block_size: int, length: int
     Each block's tokens depend on its id alone, so equal ids at equal positions
     give equal prefixes, exactly as in an anonymised production trace.
     """
-    ids = np.asarray(block_ids, dtype=np.int64).astype(np.uint64)
+    # Only the blocks the prompt reaches: extra ids would cost block_size tokens each.
+    ids = np.asarray(block_ids, dtype=np.int64)[: -(-length // block_size)].astype(np.uint64)
     with np.errstate(over="ignore"):
         seeds = _mix(ids ^ _BLOCK_DOMAIN)
         pos = np.arange(1, block_size + 1, dtype=np.uint64) * _GOLDEN

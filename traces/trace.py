@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,9 +19,12 @@ import pyarrow.parquet as pq
 from . import schema
 from .atomic import write_atomic, write_atomic_many
 from .engine_spec import EngineBlock
+from .atomic_dir import output_dir_plan, publish_dir
 from .errors import TraceError
 from .golden_kind import GoldenKind
 from .goldens import KINDS, Goldens, kind_of_file
+from .limits import MAX_JSON_BYTES, load_json, read_bounded
+from .sanity import check_golden_table
 from .validate import validate_header, validate_table, validate_trace
 from .writer import read_parts
 
@@ -83,37 +84,28 @@ def _write_table(path: Path, table: pa.Table) -> None:
     pq.write_table(table, path, compression="zstd")
 
 
-def write_trace(trace: Trace, out_dir: str | os.PathLike) -> Path:
-    """Write ``trace`` to ``out_dir`` atomically; an existing trace there is replaced."""
+def write_trace(trace: Trace, out_dir: str | os.PathLike, *, force: bool = False,
+                inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Write ``trace`` to ``out_dir`` atomically (see :mod:`traces.atomic_dir`).
+
+    An existing trace there is replaced only with ``force``, a recorded one
+    never; ``inputs`` (the files read) are never written over.
+    """
     out = Path(out_dir)
-    if out.exists() and not (out / schema.HEADER_FILE).exists() and (
-            not out.is_dir() or any(out.iterdir())):
-        raise TraceError(out, "exists and is not a trace directory; refusing to overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        (tmp / schema.HEADER_FILE).write_text(trace.header_json())
-        for name in schema.TABLES:
-            table = trace.table(name)
-            if table is not None:
-                _write_table(tmp / schema.TABLES[name].file, table)
-        for kind in KINDS:
-            for key, expect in sorted(getattr(trace, kind.attr).items()):
-                (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
-                _write_table(tmp / schema.GOLDEN_DIR / kind.file(key), kind.to_table(expect, key))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            if old.exists():
-                shutil.rmtree(old)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    output_dir_plan(out, force, inputs)
+    return publish_dir(out, lambda tmp: _fill_trace_dir(trace, tmp))
+
+
+def _fill_trace_dir(trace: Trace, tmp: Path) -> None:
+    (tmp / schema.HEADER_FILE).write_text(trace.header_json())
+    for name in schema.TABLES:
+        table = trace.table(name)
+        if table is not None:
+            _write_table(tmp / schema.TABLES[name].file, table)
+    for kind in KINDS:
+        for key, expect in sorted(getattr(trace, kind.attr).items()):
+            (tmp / schema.GOLDEN_DIR).mkdir(exist_ok=True)
+            _write_table(tmp / schema.GOLDEN_DIR / kind.file(key), kind.to_table(expect, key))
 
 
 def _replace_file(target: Path, table: pa.Table) -> Path:
@@ -151,10 +143,7 @@ def read_header(trace_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(trace_dir) / schema.HEADER_FILE
     if not path.is_file():
         raise TraceError(trace_dir, f"not a trace directory (no {schema.HEADER_FILE})")
-    try:
-        header = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise TraceError(path, f"invalid JSON: {exc}") from None
+    header = load_json(path, read_bounded(path, MAX_JSON_BYTES, "header"))
     return validate_header(path, header)
 
 
@@ -253,7 +242,8 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
             kind = kind_of_file(path.name)
             table = _read_table(path, kind.table)
             meta = table.schema.metadata or {}
-            key = meta.get(b"engine", path.stem.encode()).decode()
+            key = meta.get(b"engine", path.stem.encode()).decode(errors="replace")
+            check_golden_table(path, table, key, kind.file(key))
             goldens[kind.attr][key] = kind.from_table(table)
     trace = Trace(header=header, **goldens, path=root,
                   skipped_parts=skipped, notes=notes, **tables)  # type: ignore[arg-type]

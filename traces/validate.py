@@ -15,6 +15,8 @@ import pyarrow.compute as pc
 from . import schema
 from .engine_spec import EngineBlock
 from .errors import TraceError
+from .sanity import (check_async_scheduling, check_header_bounds, check_request_bounds,
+                     check_sized_engine)
 
 if TYPE_CHECKING:
     from .trace import Trace
@@ -41,6 +43,7 @@ def validate_header(path: Path, header: Any) -> dict[str, Any]:
                                or not isinstance(prompt.get("block_tokens"), int)
                                or prompt["block_tokens"] < 1):
         raise TraceError(path, "header.prompt_blocks.block_tokens must be a positive integer")
+    check_header_bounds(path, header)
     return header
 
 
@@ -87,6 +90,7 @@ def validate_requests(path: Path, header: dict[str, Any], requests: pa.Table) ->
             if after is not None and after not in ids:
                 raise TraceError(path, f"request arrives after unknown id {after!r}",
                                  column="after", row=row)
+    check_request_bounds(path, header["engine"], requests)
     n = requests["num_prompt_tokens"]
     row = _first_true(pc.less(n, 1))
     if row is not None:
@@ -181,7 +185,10 @@ def validate_trace(root: Path, trace: "Trace") -> None:
     def where(name: str) -> Path:
         return root if root.is_file() else root / name
 
+    check_async_scheduling(where(schema.HEADER_FILE), trace.engine,
+                           (trace.header.get("source") or {}).get("kind"))
     validate_requests(where(schema.REQUESTS.file), trace.header, trace.requests)
+    check_sized_engine(where(schema.HEADER_FILE), trace)
     ids = set(trace.requests["id"].to_pylist())
     if trace.events is not None:
         validate_events(where(schema.EVENTS.file), trace.events, ids)

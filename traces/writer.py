@@ -30,6 +30,7 @@ numpy. Parquet encoding and compression release the GIL.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -46,6 +47,17 @@ import pyarrow.parquet as pq
 
 from . import schema
 from .errors import TraceError
+
+log = logging.getLogger("prefix_replayer.recorder")
+
+
+class RecordingError(TraceError):
+    """A recorded table could not be written: the recording is incomplete.
+
+    Raised by the next append and by ``close`` (a failed stop), and logged the
+    moment it happens, so a full or read-only disk never passes for a whole trace.
+    """
+
 
 PART_RE = re.compile(r"^part-r(\d+)-(\d+)\.parquet$")
 TMP_RE = re.compile(r"^\.part-r(\d+)-(\d+)\.parquet\.tmp$")
@@ -99,11 +111,15 @@ def write_part(folder: Path, table: pa.Table, rank: int, seq: int) -> Path:
     """One complete part: temporary name, fsync, rename, fsync the folder."""
     final = folder / part_name(rank, seq)
     tmp = folder / f".{final.name}.tmp"
-    with open(tmp, "wb") as fh:
-        pq.write_table(table, fh, compression="zstd")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh, compression="zstd")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)     # a full disk leaves no half part behind
+        raise
     _fsync_dir(folder)
     return final
 
@@ -125,7 +141,11 @@ class PartWriter:
         self.spec = spec
         self.rank = rank
         self.folder = Path(trace_dir) / spec.name
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RecordingError(exc.filename or self.folder,
+                                 f"cannot record here ({exc.strerror or exc})") from None
         mine = [p for p in self.folder.iterdir()
                 if (m := PART_RE.match(p.name) or TMP_RE.match(p.name)) and int(m.group(1)) == rank]
         if mine:
@@ -207,6 +227,13 @@ class PartWriter:
         if self._error is not None:
             raise self._error
 
+    def abandon(self) -> None:
+        """Stop the writer thread without a last flush (a session that failed to start)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+
     # -- writer thread ---------------------------------------------------
     def _run(self) -> None:
         tick = max(0.05, min(1.0, self.max_seconds / 4))
@@ -221,6 +248,8 @@ class PartWriter:
                 continue
             if cols is None:
                 return
+            if self._error is not None:
+                continue            # after a failed part, no later part: no silent gap
             t = time.thread_time()
             try:
                 table = pa.Table.from_arrays([_array(cols[f.name], f.type) for f in self.schema],
@@ -231,8 +260,18 @@ class PartWriter:
                 self.parts_written += 1
                 self.rows_written += table.num_rows
             except BaseException as exc:  # noqa: BLE001 - raised on the engine's next append
-                self._error = exc
+                self._fail(exc)
             self.cpu_seconds += time.thread_time() - t
+
+    def _fail(self, exc: BaseException) -> None:
+        """Keep the error for the engine's thread, and say it in the log now."""
+        text = str(exc).strip()
+        reason = getattr(exc, "strerror", None) or (text.splitlines()[0] if text
+                                                    else type(exc).__name__)
+        where = getattr(exc, "filename", None) or self.folder / part_name(self.rank, self._seq)
+        self._error = RecordingError(where, f"writing a part of the {self.spec.name} table "
+                                            f"failed ({reason}); the recording is incomplete")
+        log.error("prefix-replayer recorder: %s", self._error)
 
 
 def _array(values: list[Any], typ: pa.DataType) -> pa.Array:
@@ -297,3 +336,15 @@ def _conform(table: pa.Table, target: pa.Schema) -> pa.Table:
         else:
             cols.append(pa.nulls(table.num_rows, f.type))
     return pa.Table.from_arrays(cols, schema=target)
+
+
+def close_all(writers) -> None:
+    """Close every writer, then raise the first failure (no table misses its flush)."""
+    first: BaseException | None = None
+    for w in writers:
+        try:
+            w.close()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            first = first or exc
+    if first is not None:
+        raise first

@@ -19,7 +19,7 @@ from typing import Any
 from traces import schema
 from traces.atomic import write_atomic
 from traces.trace import header_json
-from traces.writer import PartWriter
+from traces.writer import PartWriter, RecordingError, close_all
 
 from .releases import RECORD_ENV, RECORDER_RELEASES, check_release  # noqa: F401 (re-exported)
 
@@ -56,7 +56,30 @@ def writer_options() -> dict[str, Any]:
 
 
 def write_header(out: Path, header: dict[str, Any]) -> None:
-    write_atomic(out / schema.HEADER_FILE, header_json(header))
+    try:
+        write_atomic(out / schema.HEADER_FILE, header_json(header))
+    except OSError as exc:
+        raise RecordingError(exc.filename or out / schema.HEADER_FILE,
+                             f"cannot write the header ({exc.strerror or exc})") from None
+
+
+def check_new_recording(out: Path) -> None:
+    """The directory must be new or empty: a recording never lands on another one.
+
+    Worker ranks may have made ``store_ops/`` already (they start first); the
+    scheduler's session, the one per recording, checks everything else.
+    """
+    try:
+        entries = [p.name for p in out.iterdir()] if out.exists() else []
+    except OSError as exc:
+        raise RecordingError(out, f"cannot record here ({exc.strerror or exc})") from None
+    if out.exists() and not out.is_dir():
+        raise RecordingError(out, "is a file; record into a new, empty directory")
+    other = sorted(n for n in entries if n != schema.STORE_OPS.name)
+    if other:
+        raise RecordingError(out, f"is not empty (holds {', '.join(other[:4])}"
+                                  f"{', ...' if len(other) > 4 else ''}); record each run into "
+                                  "a new, empty directory")
 
 
 class SchedulerSession:
@@ -65,9 +88,16 @@ class SchedulerSession:
     def __init__(self, out: str, **writer_opts: Any) -> None:
         self.out = Path(out)
         writer_opts = {**writer_options(), **writer_opts}
+        check_new_recording(self.out)
         tables = [schema.TABLES[name] for name in ("requests", "steps", "outcomes", "events")]
-        self.writers = {t.name: PartWriter(self.out, t, 0, **writer_opts)
-                        for t in tables + [schema.FINISHES]}
+        self.writers: dict[str, PartWriter] = {}
+        try:
+            for t in tables + [schema.FINISHES]:
+                self.writers[t.name] = PartWriter(self.out, t, 0, **writer_opts)
+        except BaseException:
+            for w in self.writers.values():
+                w.abandon()
+            raise
         self.step = 0
         self.hash_block_size = 1
         self.boundaries: dict[str, tuple[int, str]] | None = None   # on with a connector
@@ -88,10 +118,11 @@ class SchedulerSession:
         if self._closed:
             return
         self._closed = True
-        for w in self.writers.values():
-            w.close()
-        with _LOCK:
-            _SCHEDULERS.pop(str(self.out.resolve()), None)
+        try:
+            close_all(self.writers.values())    # every table gets its last flush
+        finally:
+            with _LOCK:
+                _SCHEDULERS.pop(str(self.out.resolve()), None)
 
 
 def scheduler_session(out: str) -> SchedulerSession | None:
@@ -105,6 +136,9 @@ class StoreSession:
     def __init__(self, out: str, rank: int, **writer_opts: Any) -> None:
         self.out = out
         writer_opts = {**writer_options(), **writer_opts}
+        if (Path(out) / schema.HEADER_FILE).exists():   # workers start before the scheduler
+            raise RecordingError(out, "already holds a recording (header.json); record each "
+                                      "run into a new, empty directory")
         self.writer = PartWriter(out, schema.STORE_OPS, rank, **writer_opts)
         atexit.register(self.close)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -20,6 +21,7 @@ class StoreSpec:
         return f"mooncake://{self.host}:{self.port}"
 
 
+MAX_CAPACITY = 1 << 50
 _UNITS = {"": 1, "b": 1, "kb": 1024, "mb": 1024 ** 2, "gb": 1024 ** 3}
 
 
@@ -32,9 +34,12 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         value = -1
-    if unit not in _UNITS or value <= 0:
+    if unit not in _UNITS or not value > 0 or not math.isfinite(value):   # nan, inf too
         raise ValueError(f"--store-capacity {text!r}: expected a size such as 64MB or 2GB")
-    return int(value * _UNITS[unit])
+    size = int(value * _UNITS[unit])
+    if size > MAX_CAPACITY:
+        raise ValueError(f"--store-capacity {text!r}: above the limit of 1 PiB")
+    return size
 
 
 def parse_store_spec(text: str, capacity: str | None = None) -> StoreSpec:

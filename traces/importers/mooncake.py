@@ -10,7 +10,6 @@ Request ids are 0-based line numbers of the source file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import pyarrow as pa
 from .. import schema
 from ..engine_spec import EngineBlock
 from ..errors import TraceError
+from ..limits import MAX_IMPORT_BLOCK_IDS, MAX_INT, MAX_TOKENS, jsonl_lines, load_json, short
 from ..step_clock import DEFAULT_STEP_MS, arrival_steps
 from ..trace import Trace
 from ..validate import validate_trace
@@ -57,7 +57,8 @@ def import_mooncake(path: str | Path, *, limit: int | None = None,
     except OSError as exc:
         raise TraceError(path, f"cannot read ({exc.strerror})") from None
     with fh:
-        for lineno, raw in enumerate(fh):
+        held = 0                                  # block ids so far (memory bound)
+        for lineno, raw in jsonl_lines(path, fh):  # streamed, each line bounded
             if limit is not None and len(ids) >= limit:
                 break
             try:
@@ -66,10 +67,7 @@ def import_mooncake(path: str | Path, *, limit: int | None = None,
                 raise _bad(path, lineno, f"not UTF-8 text ({exc.reason})") from None
             if not line.strip():
                 raise _bad(path, lineno, "empty line")
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise _bad(path, lineno, f"invalid JSON ({exc.msg})") from None
+            rec = load_json(path, line, row=lineno)
             if not isinstance(rec, dict):
                 raise _bad(path, lineno, "a line must be a JSON object")
             for f in _FIELDS:
@@ -78,13 +76,22 @@ def import_mooncake(path: str | Path, *, limit: int | None = None,
             for f in _FIELDS[:3]:
                 v = rec[f]
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise TraceError(path, f"must be a non-negative integer, got {v!r}",
+                    raise TraceError(path, f"must be a non-negative integer, got {short(v)}",
+                                     column=f, row=lineno)
+                if v > (MAX_INT if f == "timestamp" else MAX_TOKENS):
+                    raise TraceError(path, f"{short(v)} is above the limit of "
+                                     f"{MAX_INT if f == 'timestamp' else MAX_TOKENS}",
                                      column=f, row=lineno)
             h = rec["hash_ids"]
             if not isinstance(h, list) or not all(isinstance(x, int) and not isinstance(x, bool)
                                                    and -2**63 <= x < 2**63 for x in h):
                 raise TraceError(path, "must be a list of 64-bit integers", column="hash_ids",
                                  row=lineno)
+            held += len(h)
+            if len(h) > MAX_TOKENS // MOONCAKE_BLOCK_TOKENS + 1 or held > MAX_IMPORT_BLOCK_IDS:
+                raise TraceError(path, f"too many block ids ({len(h)} on this line, {held} so "
+                                 f"far; at most {MAX_IMPORT_BLOCK_IDS} in all: use --limit)",
+                                 column="hash_ids", row=lineno)
             if rec["input_length"] < 1:
                 raise TraceError(path, "a prompt needs at least one token",
                                  column="input_length", row=lineno)
