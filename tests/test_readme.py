@@ -73,7 +73,9 @@ def console_blocks(text: str) -> list[Block]:
         block = Block(line=start + 1, commands=[])
         prev = start - 1
         m = MARKER.search(lines[prev]) if prev >= 0 else None
-        if m:
+        if m and m.group(1).startswith("skip"):     # the rest is the reason, commas and all
+            block.skip = m.group(1)[len("skip"):].strip() or "(no reason given)"
+        elif m:
             for part in (p.strip() for p in m.group(1).split(",")):
                 if part == "slow":
                     block.slow = True
@@ -236,3 +238,6 @@ def test_matching_rules():
                            "$ echo hi\nhi\n$ echo $?\n0\n```\n")[0]
     assert (block.slow, block.setups, block.skip) == (True, ["patched_tree"], None)
     assert block.commands == [("echo hi", ["hi"]), ("echo $?", ["0"])]
+    block = console_blocks("<!-- readme-test: skip a GPU, and a model -->\n```console\n"
+                           "$ nvidia-smi\n```\n")[0]
+    assert block.skip == "a GPU, and a model"
