@@ -46,6 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import schema
+from .atomic_dir import fsync_path
 from .errors import TraceError
 
 log = logging.getLogger("prefix_replayer.recorder")
@@ -94,19 +95,6 @@ def parts_on_disk(folder: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in parts), len(parts)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_part(folder: Path, table: pa.Table, rank: int, seq: int) -> Path:
     """One complete part: temporary name, fsync, rename, fsync the folder."""
     final = folder / part_name(rank, seq)
@@ -120,7 +108,7 @@ def write_part(folder: Path, table: pa.Table, rank: int, seq: int) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)     # a full disk leaves no half part behind
         raise
-    _fsync_dir(folder)
+    fsync_path(folder)
     return final
 
 
