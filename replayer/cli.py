@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--engine", default="installed", metavar="SPEC", help=ENGINE_HELP)
         sp.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
         sp.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+        sp.add_argument("--no-shortcuts", action="store_true",
+                        help="no speed shortcuts (reused prefix hashes): every request takes "
+                             "vLLM's plain path; the output is the same, only slower")
         sp.add_argument("--store", default="memory", metavar="BACKEND",
                         help="store for a trace with a connector: memory (default), mooncake "
                              "(starts a mooncake_master on loopback) or mooncake://HOST:PORT")
@@ -146,7 +149,7 @@ def _replay(target, args, run):
         wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
-        result = run(target, progress=bar, store=store)
+        result = run(target, progress=bar, store=store, shortcuts=not args.no_shortcuts)
     finally:
         bar.close()
     for note in result.notes:

@@ -53,6 +53,7 @@ class Job:
     trace: Trace
     store: Any = None
     record_dir: str | None = None
+    shortcuts: bool = True
 
 
 def send(stream: BinaryIO, obj: Any) -> None:
@@ -125,7 +126,7 @@ class EngineProcess:
         send(self._proc.stdin, self.engine)
 
     def replay(self, trace: Trace, progress: Callable[[Any], None] | None = None,
-               store: Any = None, record_dir: str | None = None):
+               store: Any = None, record_dir: str | None = None, shortcuts: bool = True):
         """Replay ``trace`` in the child; same result and errors as in this process."""
         connector = trace.engine.connector
         if connector:
@@ -136,7 +137,7 @@ class EngineProcess:
             raise EngineError(f"{self.info.label}: the engine process is closed")
         try:
             send(self._proc.stdin, Job(trace, store, None if record_dir is None
-                                       else str(record_dir)))
+                                       else str(record_dir), shortcuts))
         except BrokenPipeError:
             pass                                    # reported below, with the exit code
         while True:

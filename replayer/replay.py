@@ -111,9 +111,14 @@ def refuse_unsupported(trace: Trace) -> None:
 
 
 def replay(trace: Trace, engine: EngineAdapter,
-           progress: Callable[[Progress], None] | None = None) -> ReplayResult:
+           progress: Callable[[Progress], None] | None = None,
+           shortcuts: bool = True) -> ReplayResult:
     """Replay ``trace`` on ``engine`` (open, built for this trace) and collect what
-    vLLM reported for every request. The caller owns the engine and closes it."""
+    vLLM reported for every request. The caller owns the engine and closes it.
+
+    ``shortcuts`` lets the engine skip work whose result it provably knows
+    (prefix block hashes of repeated trace blocks); off, every request takes
+    vLLM's plain path: the reference a shortcut must equal byte for byte."""
     t_start = time.perf_counter()
     refuse_unsupported(trace)
     rows = request_rows(trace.requests)
@@ -132,11 +137,14 @@ def replay(trace: Trace, engine: EngineAdapter,
 
     def add(i: int) -> None:
         prompt = tokens.prompt(i)
+        blocks = tokens.prompt_blocks(i) if shortcuts else None
         engine.add_request(EngineRequest(
             id=rows.ids[i], prompt_tokens=prompt.tolist(),
             output_tokens=tokens.output(i, rows.output_len[i], n_spec + 1).tolist(),
             output_len=rows.output_len[i], cache_salt=rows.cache_salt[i],
-            priority=rows.priority[i] or 0))
+            priority=rows.priority[i] or 0,
+            prompt_block_ids=blocks[0] if blocks else None,
+            prompt_block_tokens=blocks[1] if blocks else 0))
         order.append(i)
         results[i] = RequestOutcome(id=rows.ids[i], arrival_step=clock,
                                     num_prompt_tokens=len(prompt))

@@ -65,6 +65,16 @@ class TokenSource:
         return block_tokens(vals[off[row]:off[row + 1]], self.block, int(self.n_prompt[row]),
                             self.vocab)
 
+    def prompt_blocks(self, row: int) -> tuple[list[int], int] | None:
+        """(trace block ids, tokens per block) of a prompt synthesised from block
+        ids; None where the row stores its tokens. Equal ids at equal positions
+        are equal tokens, which lets an engine reuse a prefix's block hashes."""
+        col = self._tokens
+        if (col is not None and col[2][row]) or self._blocks is None or not self.block:
+            return None
+        off, vals, _ = self._blocks
+        return vals[off[row]:off[row + 1]].tolist(), int(self.block)
+
     def output(self, row: int, output_len: int, extra: int) -> np.ndarray:
         """The tokens the null model emits, plus ``extra`` for late drafts."""
         col = self._outputs

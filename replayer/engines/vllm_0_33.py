@@ -32,6 +32,7 @@ from traces.engine_spec import EngineBlock
 
 from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
                           cache_kwargs, plan_layers, scheduler_kwargs)
+from .prefix_hashes import PrefixHashCache
 
 
 VERSIONS = ("0.33",)          # release range this adapter serves
@@ -133,6 +134,13 @@ class Vllm033Engine(CoreEngine):
                 self.session.close()
             raise
         self._hash_block_size = self.scheduler.kv_cache_config.hash_block_size or 1
+        if self.core.request_block_hasher is not None:
+            # Hashes of repeated trace-block chains, bounded by 4x the KV cache's tokens.
+            kv_tokens = self.scheduler.kv_cache_config.num_blocks * config.cache_config.block_size
+            self.prefix_hashes = PrefixHashCache(
+                self.core.request_block_hasher, self._hash_block_size,
+                config.num_hash_lookahead_tokens, 4 * kv_tokens // self._hash_block_size)
+            self.core.request_block_hasher = self.prefix_hashes
         if self.session is not None:
             self.session.attach_scheduler(self.scheduler)
         from .explain_0_33 import GroupHits
