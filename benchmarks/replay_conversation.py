@@ -89,8 +89,9 @@ def _child(mode: str, trace_dir: str) -> dict:
 
         steps, hit_rate, vllm_s, startup = bare_loop(trace)
     wall = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"wall_s": wall, "vllm_s": vllm_s, "steps": steps, "hit_rate": hit_rate,
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    rss = use.ru_maxrss / 1024
+    return {"wall_s": wall, "cpu_s": use.ru_utime + use.ru_stime, "vllm_s": vllm_s, "steps": steps, "hit_rate": hit_rate,
             "peak_rss_mb": rss, "startup_s": startup, "json_sha256": digest}
 
 
@@ -121,7 +122,8 @@ def main() -> None:
     slices = [1000] if args.quick else [1000, None]
     work = Path(tempfile.mkdtemp(prefix="replayer-bench-"))
     print(f"{'geometry':<27} {'requests':>8} {'mode':<12} {'wall s':>7} {'x real':>7} "
-          f"{'steps':>7} {'vllm s':>7} {'harness s':>9} {'ratio':>6} {'rss MB':>7} {'hit':>6}")
+          f"{'cpu s':>7} {'steps':>7} {'vllm s':>7} {'harness s':>9} {'ratio':>6} {'rss MB':>7} "
+          f"{'hit':>6}")
     for name in args.geometry or list(GEOMETRIES):
         for limit in slices:
             trace = import_mooncake(SOURCE, limit=limit, engine=GEOMETRIES[name])
@@ -134,13 +136,15 @@ def main() -> None:
                 rows[mode] = r
                 harness = r["wall_s"] - r["vllm_s"]
                 print(f"{name:<27} {trace.requests.num_rows:>8} {mode:<12} {r['wall_s']:>7.1f} "
-                      f"{real_s / r['wall_s']:>7.1f} {r['steps']:>7} {r['vllm_s']:>7.1f} "
+                      f"{real_s / r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['steps']:>7} "
+                      f"{r['vllm_s']:>7.1f} "
                       f"{harness:>9.1f} {harness / r['vllm_s']:>6.2f} {r['peak_rss_mb']:>7.0f} "
                       f"{r['hit_rate']:>6.1%}", flush=True)
             slow, fast = rows["step-by-step"], rows["fast"]
             same = fast["json_sha256"] == slow["json_sha256"]
             print(f"{'':<27} step-by-step {slow['wall_s']:.1f} s, fast {fast['wall_s']:.1f} s, "
-                  f"fast / step-by-step = {fast['wall_s'] / slow['wall_s']:.3f}, "
+                  f"fast / step-by-step = {fast['wall_s'] / slow['wall_s']:.3f} "
+                  f"(CPU {fast['cpu_s'] / slow['cpu_s']:.3f}), "
                   f"{real_s / fast['wall_s']:.1f}x real time, peak RSS "
                   f"{fast['peak_rss_mb']:.0f} MB; identical: {'yes' if same else 'NO'}",
                   flush=True)
