@@ -2,10 +2,11 @@
 
 Writes the Mooncake conversation hour and the same hour repeated ``--hours``
 times (``day_trace.py``: shifted arrivals, fresh prefixes), replays each in a
-fresh process as ``replayer run --json`` does (``--json`` text built), and
-prints wall seconds, x real time and peak RSS of both, the ratio of peak RSS,
-and the peak RSS of reading the trace and building the JSON alone (no vLLM),
-which is the part that grows with the trace.
+fresh process with its outcomes streamed (``replay(sink=)`` into
+:class:`replayer.report.JsonStream`, the ``--json`` bytes written as they
+complete), and prints wall seconds, x real time and peak RSS of both and the
+ratio of peak RSS; mode ``read`` measures only what still grows with the trace
+without vLLM (reading the trace, its row columns, the schedule).
 
     python benchmarks/replay_day.py                      # the day: 24 hours (hours of CPU)
     python benchmarks/replay_day.py --hours 4 --limit 1000   # a small check
@@ -39,18 +40,23 @@ def _child(mode: str, trace_dir: str) -> dict:
 
     trace = read_trace(trace_dir)
     if mode == "replay":
-        from replayer.report import dumps
-        from replayer.runner import replay_on
+        # As `replayer run --json` would with outcomes streamed: written as they complete.
+        from replayer.replay import replay
+        from replayer.report import JsonStream
+        from replayer.runner import engine_here
 
-        result = replay_on(trace)
-        n = len(dumps(result))
-    else:                       # the trace-sized part alone: read, rows, outcomes' JSON
+        with tempfile.TemporaryFile("w+") as out, engine_here(trace) as adapter:
+            stream = JsonStream(out, adapter.info)
+            stream.finish(replay(trace, adapter, sink=stream))
+            n = out.tell()
+    else:                       # what grows with the trace, without vLLM: read, rows, schedule
+        from replayer.schedule import Schedule
         from traces.materialize import TokenSource, request_rows
 
         rows = request_rows(trace.requests)
         TokenSource(trace.header, trace.requests)
-        n = len(json.dumps([{"id": i, "arrival_step": a} for i, a in
-                            zip(rows.ids, rows.arrival_step)], indent=2))
+        Schedule(rows.arrival_step, rows.after)
+        n = 0
     return {"wall_s": time.perf_counter() - t0, "json_chars": n,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 

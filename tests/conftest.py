@@ -16,8 +16,10 @@ FIXTURES = REPO / "fixtures"
 SCENARIOS = FIXTURES / "scenarios"
 STORE_SCENARIOS = FIXTURES / "store"
 TRACES = FIXTURES / "traces"
-# CI clones the repo beside a copy of shared/, as on a developer machine.
-MOONCAKE_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+# CI clones the repo beside a copy of shared/, as on a developer machine; a
+# checkout elsewhere (a git worktree) names the file in MOONCAKE_TRACE.
+MOONCAKE_TRACE = Path(os.environ.get("MOONCAKE_TRACE") or
+                      REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl")
 
 # Environment a replay in this process reads before vLLM is imported: quiet logs, no hub.
 QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch", "HF_HUB_OFFLINE": "1",
