@@ -72,3 +72,14 @@ def test_first_1000_mooncake_requests_replay_the_same_both_ways(tmp_path):
     assert fast.blocks_reused > 100_000
     assert fast_json == plain_json
     assert fast_pool == plain_pool
+
+
+def test_cli_no_shortcuts_writes_the_same_json():
+    from conftest import cli
+
+    target = TRACES / "conversation_500"
+    plain = cli("run", target, "--json", "-", "--no-progress", "--no-shortcuts")
+    fast = cli("run", target, "--json", "-", "--no-progress")
+    assert plain.returncode == 0 and fast.returncode == 0, plain.stderr + fast.stderr
+    assert '"requests": 500' in plain.stdout
+    assert fast.stdout == plain.stdout
