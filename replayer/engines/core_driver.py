@@ -32,6 +32,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
+                         SchedulerConfig, SpeculativeConfig, VllmConfig)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
@@ -173,6 +175,39 @@ def scheduler_kwargs(engine: EngineBlock) -> dict[str, Any]:
     return {"max_model_len": engine.max_model_len, "is_encoder_decoder": False,
             "async_scheduling": False, "policy": engine.scheduling_policy,
             **_set(engine, SCHEDULER_KEYS)}
+
+
+def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
+                 cache_args: dict[str, Any] | None = None,
+                 speculative_args: dict[str, Any] | None = None,
+                 kv_transfer: Any = None) -> VllmConfig:
+    """A sized engine block as vLLM's own config objects; vLLM resolves the rest.
+
+    An adapter passes what its release has beyond the shared fields: its
+    ``CacheConfig`` arguments (``cache_kwargs`` less what it lacks), extra
+    ``SpeculativeConfig`` arguments, a ``KVTransferConfig``."""
+    model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
+                        max_model_len=engine.max_model_len, dtype="float16")
+    parallel = ParallelConfig(distributed_executor_backend=executor_cls)
+    speculative = None
+    spec = engine.speculative
+    if spec is not None:
+        speculative = SpeculativeConfig(
+            method=spec.method, model=str(DRAFT_MODEL),
+            num_speculative_tokens=spec.num_speculative_tokens,
+            target_model_config=model, target_parallel_config=parallel,
+            **(speculative_args or {}))
+    extra = {} if kv_transfer is None else {"kv_transfer_config": kv_transfer}
+    config = VllmConfig(model_config=model,
+                        cache_config=CacheConfig(**(cache_args or cache_kwargs(engine))),
+                        parallel_config=parallel,
+                        scheduler_config=SchedulerConfig(**scheduler_kwargs(engine)),
+                        device_config=DeviceConfig(device="cpu"), speculative_config=speculative,
+                        **extra)
+    # On a platform vLLM does not know (CPU without its kernels) it turns the
+    # hybrid KV-cache manager off; production GPUs keep it on.
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
 
 
 def plan_layers(engine: EngineBlock, dtype_bytes: int) -> list[LayerPlan]:

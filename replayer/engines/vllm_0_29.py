@@ -37,16 +37,15 @@ from typing import Any
 
 import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
-                         SchedulerConfig, SpeculativeConfig, VllmConfig)
+from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowSpec)
 
 from traces.engine_spec import EngineBlock
 
 from .base import UnsupportedByEngine
-from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
-                          cache_kwargs, plan_layers, scheduler_kwargs)
+from .core_driver import (CoreEngine, LayerPlan, NullExecutor, build_config, cache_kwargs,
+                          plan_layers)
 
 
 VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
@@ -96,31 +95,13 @@ def missing_settings(engine: EngineBlock, version: str) -> list[str]:
 
 
 def build_vllm_config(engine: EngineBlock, version: str) -> VllmConfig:
-    """A sized engine block as these releases' config objects; vLLM resolves the rest."""
-    model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
-                        max_model_len=engine.max_model_len, dtype="float16")
-    parallel = ParallelConfig(distributed_executor_backend=NullExecutor)
+    """The shared config, less what these releases lack (see missing_settings): no
+    ``disable_lookahead_block_hashes`` before 0.33, no shared-prefix checkpoint
+    flag before 0.31."""
     cache_args = cache_kwargs(engine)
     if _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE:
-        # Not a CacheConfig field before 0.31: see missing_settings.
         cache_args.pop("enable_mamba_shared_prefix_checkpoint", None)
-    cache = CacheConfig(**cache_args)
-    scheduler = SchedulerConfig(**scheduler_kwargs(engine))
-    speculative = None
-    spec = engine.speculative
-    if spec is not None:
-        # No disable_lookahead_block_hashes before 0.33: see missing_settings.
-        speculative = SpeculativeConfig(
-            method=spec.method, model=str(DRAFT_MODEL),
-            num_speculative_tokens=spec.num_speculative_tokens,
-            target_model_config=model, target_parallel_config=parallel)
-    config = VllmConfig(model_config=model, cache_config=cache, parallel_config=parallel,
-                        scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"),
-                        speculative_config=speculative)
-    # On a platform vLLM does not know (CPU without its kernels) it turns the
-    # hybrid KV-cache manager off; production GPUs keep it on.
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    return config
+    return build_config(engine, NullExecutor, cache_args=cache_args)
 
 
 def open_engine(engine: EngineBlock, version: str, store: Any = None,

@@ -23,15 +23,13 @@ from typing import Any
 
 import torch
 
-from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
-                         SchedulerConfig, SpeculativeConfig, VllmConfig)
+from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpec,
                                         MLAAttentionSpec, SlidingWindowSpec)
 
 from traces.engine_spec import EngineBlock
 
-from .core_driver import (DRAFT_MODEL, TARGET_MODEL, CoreEngine, LayerPlan, NullExecutor,
-                          cache_kwargs, plan_layers, scheduler_kwargs)
+from .core_driver import CoreEngine, LayerPlan, NullExecutor, build_config, plan_layers
 from .prefix_hashes import PrefixHashCache
 
 
@@ -79,32 +77,17 @@ def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
 
 
 def build_vllm_config(engine: EngineBlock) -> VllmConfig:
-    """A sized engine block as vLLM's own config objects; vLLM resolves the rest."""
-    model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
-                        max_model_len=engine.max_model_len, dtype="float16")
-    parallel = ParallelConfig(distributed_executor_backend=StoreAwareExecutor)
-    cache = CacheConfig(**cache_kwargs(engine))
-    scheduler = SchedulerConfig(**scheduler_kwargs(engine))
-    speculative = None
-    spec = engine.speculative
-    if spec is not None:
-        speculative = SpeculativeConfig(
-            method=spec.method, model=str(DRAFT_MODEL),
-            num_speculative_tokens=spec.num_speculative_tokens,
-            disable_lookahead_block_hashes=spec.disable_lookahead_block_hashes,
-            target_model_config=model, target_parallel_config=parallel)
+    """The shared config, plus 0.33's lookahead-hash flag and the store connector."""
     kv_transfer = None
     if engine.connector:
         from .mooncake_0_33 import kv_transfer_config
 
         kv_transfer = kv_transfer_config(engine)
-    config = VllmConfig(model_config=model, cache_config=cache, parallel_config=parallel,
-                        scheduler_config=scheduler, device_config=DeviceConfig(device="cpu"),
-                        speculative_config=speculative, kv_transfer_config=kv_transfer)
-    # On a platform vLLM does not know (CPU without its kernels) it turns the
-    # hybrid KV-cache manager off; production GPUs keep it on.
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    return config
+    spec = engine.speculative
+    lookahead = None if spec is None else {
+        "disable_lookahead_block_hashes": spec.disable_lookahead_block_hashes}
+    return build_config(engine, StoreAwareExecutor, speculative_args=lookahead,
+                        kv_transfer=kv_transfer)
 
 
 class Vllm033Engine(CoreEngine):
