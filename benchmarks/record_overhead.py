@@ -29,8 +29,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import public_trace  # noqa: E402  (benchmarks/, first on sys.path when run as a script)
+
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 STORE_FIXTURE = ROOT / "fixtures" / "store" / "resend_after_reset.yaml"
 ENGINE = {"block_size": 16, "kv_groups": [{"kind": "full_attention"}],
           "max_num_batched_tokens": 8192, "max_num_seqs": 256,
@@ -140,18 +141,20 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--child", nargs="+")
+    public_trace.add_argument(ap)
     args = ap.parse_args()
     if args.child:
         mode, trace_dir, *out = args.child
         print(json.dumps(_child(mode, trace_dir, out[0] if out else None)))
         return
+    source = public_trace.trace_path(args)
     _setup()
     from traces.importers.mooncake import import_mooncake
     from traces.scenario import compile_scenario
     from traces.trace import write_trace
 
     tmp = Path(tempfile.mkdtemp(prefix="record-overhead-"))
-    src = write_trace(import_mooncake(SOURCE, limit=args.requests, engine=ENGINE), tmp / "conv")
+    src = write_trace(import_mooncake(source, limit=args.requests, engine=ENGINE), tmp / "conv")
     plain, rec = [], []
     for r in range(args.rounds):                 # alternate, so drift hits both alike
         plain.append(_run("plain", src, None))

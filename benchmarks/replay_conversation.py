@@ -35,9 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import public_trace  # noqa: E402  (benchmarks/, first on sys.path when run as a script)
+
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = Path(os.environ.get("MOONCAKE_TRACE") or
-              ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl")
+# Default source for the day and quiet-step scripts (the CLI here takes --trace).
+SOURCE = Path(os.environ.get(public_trace.ENV) or public_trace.BESIDE_CHECKOUT)
 
 KV_TOKENS = 2 * 1024 * 1024
 GEOMETRIES = {
@@ -111,10 +113,12 @@ def main() -> None:
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append")
     ap.add_argument("--bare", action="store_true", help="also run the bare scheduler loop")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    public_trace.add_argument(ap)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(_child(*args.child)))
         return
+    source = public_trace.trace_path(args)
     sys.path.insert(0, str(ROOT))
     from traces.importers.mooncake import import_mooncake
     from traces.trace import write_trace
@@ -126,7 +130,7 @@ def main() -> None:
           f"{'hit':>6}")
     for name in args.geometry or list(GEOMETRIES):
         for limit in slices:
-            trace = import_mooncake(SOURCE, limit=limit, engine=GEOMETRIES[name])
+            trace = import_mooncake(source, limit=limit, engine=GEOMETRIES[name])
             tdir = write_trace(trace, work / f"{name}-{limit or 'all'}")
             ms = trace.requests["arrival_ms"].to_pylist()
             real_s = (ms[-1] - ms[0]) / 1000 or 1.0

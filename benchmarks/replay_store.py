@@ -23,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import public_trace  # noqa: E402  (benchmarks/, first on sys.path when run as a script)
+
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from replay_conversation import GEOMETRIES  # noqa: E402  (the same hybrid geometry)
@@ -70,16 +71,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=1000)
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    public_trace.add_argument(ap)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(_child(*args.child)))
         return
+    source = public_trace.trace_path(args)
     sys.path.insert(0, str(ROOT))
     from traces.importers.mooncake import import_mooncake
     from traces.trace import write_trace
 
     work = Path(tempfile.mkdtemp(prefix="replayer-store-bench-"))
-    trace_dir = write_trace(import_mooncake(SOURCE, limit=args.limit, engine=ENGINE),
+    trace_dir = write_trace(import_mooncake(source, limit=args.limit, engine=ENGINE),
                             work / "conv")
     print(f"{'backend':<9} {'wall s':>7} {'vllm s':>7} {'store s':>8} {'store/vllm':>10} "
           f"{'puts':>6} {'puts/s':>7} {'gets':>6} {'gets/s':>7} {'MB moved':>9} {'hit':>6} "

@@ -45,8 +45,12 @@ class BisectResult:
     change: EngineDiff | None = None       # last matching engine vs first differing one
 
 
-def search(candidates: Sequence[Any], replay_one: Callable[[Any], ReplayResult]) -> BisectResult:
-    """Binary search over ``candidates`` (good first, bad last) for the first that differs."""
+def search(candidates: Sequence[Any], replay_one: Callable[[Any], ReplayResult],
+           on_probe: Callable[[Probe], None] | None = None) -> BisectResult:
+    """Binary search over ``candidates`` (good first, bad last) for the first that differs.
+
+    ``on_probe`` hears of each engine as soon as it is replayed (a replay on a
+    release takes 10-35 s, so the command line prints each as it comes)."""
     if len(candidates) < 2:
         raise EngineError("bisect needs a good and a different bad engine")
     out = BisectResult(line=len(candidates))
@@ -57,6 +61,8 @@ def search(candidates: Sequence[Any], replay_one: Callable[[Any], ReplayResult])
         results[i] = res
         same = i == 0 or compare_results(results[0], res).identical
         out.path.append(Probe(i, role, res.engine, res.summary()["cached_tokens"], same))
+        if on_probe is not None:
+            on_probe(out.path[-1])
         return same
 
     probe(0, "good")
@@ -129,21 +135,25 @@ class CommitLine:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def path_report(res: BisectResult, what: str) -> str:
-    """The path the search took, then the answer and what changed there."""
+def header_line(engines: int, what: str) -> str:
+    return f"bisect over {engines} {what}:"
+
+
+def probe_line(p: Probe) -> str:
+    verdict = "the reference" if p.role == "good" else (
+        "matches good" if p.matched_good else "differs from good")
+    return f"  {p.role:<4}  {p.engine.label}  cached {p.cached_tokens}  {verdict}"
+
+
+def conclusion(res: BisectResult) -> str:
+    """What follows the path: the first engine that differs and the change there."""
     from .diff import diff_table
 
-    out = [f"bisect over {res.line} {what}:"]
-    for p in res.path:
-        verdict = "the reference" if p.role == "good" else (
-            "matches good" if p.matched_good else "differs from good")
-        out.append(f"  {p.role:<4}  {p.engine.label}  cached {p.cached_tokens}  {verdict}")
     if res.first_bad is None:
-        out.append("bad gives the same outcome as good: nothing to bisect")
-        return "\n".join(out)
-    out.append(f"first engine that differs from good: {res.first_bad.engine.label} "
-               f"({len(res.path)} replays)")
+        return "bad gives the same outcome as good: nothing to bisect"
     assert res.change is not None
-    out.append("what changed there (A: the last engine that matches good):")
-    out.append(diff_table(res.change))
-    return "\n".join(out)
+    return "\n".join([
+        f"first engine that differs from good: {res.first_bad.engine.label} "
+        f"({len(res.path)} replays)",
+        "what changed there (A: the last engine that matches good):",
+        diff_table(res.change)])

@@ -1,4 +1,5 @@
-"""The ``replayer`` command line: run, check, diff, bisect, compile, import, info.
+"""The ``replayer`` command line: run, check, explain, sweep, report, diff, bisect,
+compile, import, info.
 
 Exit codes: 0 success, 1 a check failed (or goldens were just rewritten and
 need review), 2 bad input or a replay that cannot go on (one line on stderr).
@@ -21,19 +22,21 @@ ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), or t
                "vLLM source tree")
 
 
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch",
+             # Mooncake's C++ client and master (glog before init, then its own levels).
+             "GLOG_minloglevel": "3", "MC_LOG_LEVEL": "ERROR", "MC_YLT_LOG_LEVEL": "error"}
+
+
 def _quiet_vllm(verbose: bool) -> None:
     """vLLM and torch stay quiet unless --verbose (set before they are imported)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
     if verbose:
         os.environ["PREFIX_REPLAYER_VERBOSE"] = "1"
         return
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_LOGS", "-torch")
-    # Mooncake's C++ client and master (glog before init, then its own levels).
-    os.environ.setdefault("GLOG_minloglevel", "3")
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    os.environ.setdefault("MC_YLT_LOG_LEVEL", "error")
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
 
@@ -41,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replayer", description=(
         "Replay recorded request streams through vLLM's own scheduler and KV-cache "
         "manager, and check prefix-cache hits against golden results."))
+    p.add_argument("--version", action=_VersionAction, nargs=0,
+                   help="the replayer's version, the installed vLLM and the releases it replays")
     sub = p.add_subparsers(dest="command", required=True)
 
     def engine_opts(sp: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -58,12 +63,18 @@ def _parser() -> argparse.ArgumentParser:
                         help="store pool size, e.g. 64MB (memory: oldest keys evicted first; "
                              "mooncake: the master's segment)")
 
+    def set_opt(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--set", action="append", default=[], metavar="engine.KEY=VALUE",
+                        help="replay under another geometry: change one engine key (YAML "
+                             "value; null removes it; repeatable), validated as a scenario's")
+
     run = sub.add_parser("run", help="replay a scenario or trace and print its hits")
     run.add_argument("target", help="scenario .yaml or trace directory")
     run.add_argument("--json", metavar="OUT", help="write results as JSON ('-' for stdout)")
     run.add_argument("--store-ops", metavar="OUT.parquet",
                      help="write every store operation as a store_ops table (connector traces)")
     engine_opts(run)
+    set_opt(run)
 
     check = sub.add_parser("check", help="replay targets and compare with their goldens")
     check.add_argument("targets", nargs="+", help="scenarios, trace directories, or folders of them")
@@ -73,6 +84,42 @@ def _parser() -> argparse.ArgumentParser:
                        help="compare with the goldens (default), or with what a recorded trace "
                             "itself observed: outcomes, steps, store keys")
     engine_opts(check)
+    set_opt(check)
+
+    exp = sub.add_parser("explain", help="reachable vs actual hits per request, lost tokens "
+                                         "by cause (counterfactual replays)")
+    exp.add_argument("target", help="scenario .yaml or trace directory")
+    exp.add_argument("--json", metavar="OUT", help="write requests and summary as JSON ('-' for stdout)")
+    exp.add_argument("--parquet", metavar="OUT", help="write the per-request table as Parquet")
+    exp.add_argument("--top", type=int, default=5, help="requests listed by lost tokens (5)")
+    engine_opts(exp)
+    set_opt(exp)
+
+    sw = sub.add_parser("sweep", help="one explained replay per grid point, one table")
+    sw.add_argument("target", help="scenario .yaml or trace directory")
+    sw.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2,...",
+                    help="an engine key and its values (repeatable: the grid is the product)")
+    sw.add_argument("--jobs", type=int, default=None,
+                    help="local worker processes (default: the cores there are; 1: serial)")
+    sw.add_argument("--ray", metavar="ADDRESS",
+                    help="run the points on a Ray cluster ('auto', ray://HOST:PORT, or "
+                         "'local' for a Ray instance started here; needs the ray extra)")
+    sw.add_argument("--json", metavar="OUT", help="write the table as JSON, wall times left "
+                                                  "out ('-' for stdout)")
+    sw.add_argument("--parquet", metavar="OUT", help="write the table as Parquet")
+    sw.add_argument("--engine", default="installed", metavar="SPEC", help=ENGINE_HELP)
+    sw.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
+    set_opt(sw)
+
+    rep = sub.add_parser("report", help="a self-contained HTML page: hit rate over time, "
+                                        "reachable vs actual, lost by cause, per-group hits")
+    rep.add_argument("target", help="scenario .yaml or trace directory")
+    rep.add_argument("-o", "--output", required=True, metavar="OUT.html")
+    rep.add_argument("--sweep", metavar="SWEEP.json",
+                     help="also plot a sweep's hit rate against each swept key "
+                          "(the --json of replayer sweep)")
+    engine_opts(rep)
+    set_opt(rep)
 
     diff = sub.add_parser("diff", help="replay a target on two engines; print what differs")
     diff.add_argument("target", help="scenario .yaml or trace directory")
@@ -116,6 +163,31 @@ def _parser() -> argparse.ArgumentParser:
     anon.add_argument("--secret", metavar="HEX",
                       help="hash key, for reproducible ids (default: random, never stored)")
     return p
+
+
+def _version_text() -> str:
+    """Package metadata only: no vLLM import, so ``--version`` answers at once."""
+    from importlib import metadata
+
+    from .engines import EngineError, installed_vllm_version, supported_ranges
+
+    try:
+        own = metadata.version("prefix-replayer")
+    except metadata.PackageNotFoundError:
+        own = "(not installed)"
+    try:
+        vllm = f"vLLM {installed_vllm_version()} installed"
+    except EngineError:
+        vllm = "no vLLM installed"
+    return f"replayer {own}\n{vllm}; replays vLLM releases {supported_ranges()}"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``, printed as is (argparse's own action rewraps the lines)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(_version_text())
+        parser.exit()
 
 
 def _err(msg: str) -> int:
@@ -167,7 +239,7 @@ def cmd_run(args) -> int:
     from .runner import engine_runner
 
     spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
-    trace = load_target(args.target)
+    trace = _load_with_sets(args.target, args.set)
     _note_skipped(trace)
     if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
@@ -209,12 +281,28 @@ def cmd_check(args) -> int:
 
     spec = parse_spec(args.engine)
     paths = _expand_targets(args.targets)
-    traces = [(p, load_target(p)) for p in paths]   # all bad input is reported before any replay
+    # All bad input is reported before any replay.
+    traces = [(p, _load_with_sets(p, args.set)) for p in paths]
+    if args.set and args.update_golden:
+        raise TraceError("--set", "goldens belong to the trace's own geometry "
+                                  "(drop --update-golden)")
     for _, trace in traces:
         _note_skipped(trace)
     if args.against == "recorded":
-        return _check_recorded(args, traces)
+        return _check_recorded(args, traces, spec)
     worst = EXIT_OK
+    if not args.update_golden:                      # said before any replay, and not replayed
+        from .golden_check import engine_key_of, has_goldens, no_goldens, said_before_replay
+
+        key = engine_key_of(spec)
+        unchecked = [(p, t) for p, t in traces
+                     if said_before_replay(spec, t) and not has_goldens(t, key)]
+        for path, _ in unchecked:
+            print("\n".join(no_goldens(path, key)), flush=True)
+            worst = EXIT_MISMATCH
+        traces = [(p, t) for p, t in traces if all(p is not q for q, _ in unchecked)]
+        if not traces:
+            return worst
     with engine_runner(spec) as run:                # one engine process for every target
         for path, trace in traces:
             try:
@@ -226,6 +314,108 @@ def cmd_check(args) -> int:
     return worst
 
 
+def _load_with_sets(path, sets):
+    """A target, replayed under ``--set`` changes when there are any."""
+    from traces.what_if import with_sets
+
+    return with_sets(load_target(path), sets)
+
+
+def cmd_explain(args) -> int:
+    from .engines.specs import parse_spec
+    from .explain import explain
+    from .explain_report import render, write_parquet_atomic
+    from traces.atomic import write_atomic
+    from .runner import engine_runner
+
+    spec = parse_spec(args.engine)
+    if args.top < 0:
+        return _err("--top must be at least 0")
+    trace = _load_with_sets(args.target, args.set)
+    _note_skipped(trace)
+    _store_spec(args)                        # a bad --store is reported before any replay
+    with engine_runner(spec) as run:         # one engine process for every counterfactual
+        ex = explain(trace, run=lambda t: _replay(t, args, run))
+    print(render(ex, top=args.top))
+    if args.parquet:
+        write_parquet_atomic(args.parquet, ex.table)
+    if args.json == "-":
+        sys.stdout.write(ex.dumps())
+    elif args.json:
+        write_atomic(args.json, ex.dumps())
+    return EXIT_OK
+
+
+def cmd_sweep(args) -> int:
+    from .engines.specs import parse_spec
+    from .explain_report import write_parquet_atomic
+    from traces.atomic import write_atomic
+    from .sweep import comparable, parse_grid, run_sweep, table_text
+
+    parse_spec(args.engine)
+    if args.jobs is not None and args.jobs < 1:
+        return _err("--jobs must be at least 1")
+    keys, points = parse_grid(args.grid)
+    trace = _load_with_sets(args.target, args.set)     # bad input before any worker starts
+    for p in points:
+        from traces.what_if import apply_sets
+
+        apply_sets(trace.engine, p)
+    if args.ray:
+        executor, address = "ray", (None if args.ray == "local" else args.ray)
+    else:
+        executor, address = ("serial" if args.jobs == 1 else "pool"), None
+    rows = run_sweep(args.target, points, engine_spec=args.engine, executor=executor,
+                     workers=args.jobs, ray_address=address, base=args.set)
+    print(table_text(keys, rows))
+    where = f"Ray ({args.ray})" if args.ray else (
+        "serially" if executor == "serial" else "on a local process pool")
+    print(f"\n{len(points)} point(s) of {args.target} run {where}")
+    text = json.dumps({"grid": keys, "base": args.set, "rows": comparable(rows)},
+                      indent=2) + "\n"
+    if args.parquet:
+        import polars as pl
+
+        write_parquet_atomic(args.parquet, pl.DataFrame(rows))
+    if args.json == "-":
+        sys.stdout.write(text)
+    elif args.json:
+        write_atomic(args.json, text)
+    return EXIT_OK
+
+
+def cmd_report(args) -> int:
+    from .engines.specs import parse_spec
+    from .explain import explain
+    from .html_report import render_html
+    from traces.atomic import write_atomic
+    from .runner import engine_runner
+
+    spec = parse_spec(args.engine)
+    sweep = None
+    if args.sweep:
+        try:
+            sweep = json.loads(Path(args.sweep).read_text())
+        except OSError as exc:
+            raise TraceError(args.sweep, f"cannot read ({exc.strerror})") from None
+        except json.JSONDecodeError as exc:
+            raise TraceError(args.sweep, f"invalid JSON: {exc.msg}") from None
+        if not isinstance(sweep, dict) or not isinstance(sweep.get("grid"), list) \
+                or not isinstance(sweep.get("rows"), list):
+            raise TraceError(args.sweep, "not the --json of replayer sweep (grid, rows)")
+    trace = _load_with_sets(args.target, args.set)
+    _note_skipped(trace)
+    _store_spec(args)
+    with engine_runner(spec) as run:
+        ex = explain(trace, run=lambda t: _replay(t, args, run))
+    write_atomic(args.output, render_html(ex, str(args.target), trace.header, sweep))
+    s = ex.summary()
+    print(f"wrote {args.output}: {s['requests']} requests, hit rate {s['hit_rate']:.1%} of "
+          f"reachable {s['reachable_rate']:.1%}" + (f", sweep of {len(sweep['rows'])} point(s)"
+                                                    if sweep else ""))
+    return EXIT_OK
+
+
 def _note_skipped(trace) -> None:
     for part in trace.skipped_parts:
         print(f"replayer: note: skipped half-written part {part}", file=sys.stderr)
@@ -233,19 +423,23 @@ def _note_skipped(trace) -> None:
         print(f"replayer: note: {note}", file=sys.stderr)
 
 
-def _check_recorded(args, traces) -> int:
-    """``check --against recorded``: each replay against its own recording."""
+def _check_recorded(args, traces, spec) -> int:
+    """``check --against recorded``: each replay against its own recording, on the
+    installed vLLM or a release the recorder hooks (``--engine vllm==0.32.0``)."""
+    from .engines import UnsupportedByEngine
     from .fidelity import check_against_recorded
 
     if args.update_golden:
         raise TraceError("--against recorded", "recorded observations are never rewritten "
                                                "(drop --update-golden)")
-    if args.engine != "installed":
-        raise TraceError("--against recorded", "replays on the installed vLLM only")
     store = _store_spec(args)
     worst = EXIT_OK
     for path, trace in traces:
-        lines, ok, _ = check_against_recorded(trace, store=store)
+        try:
+            lines, ok, _ = check_against_recorded(trace, store=store, spec=spec)
+        except UnsupportedByEngine as exc:
+            print(f"SKIP {path}: {exc}")
+            continue
         print(f"{'PASS' if ok else 'FAIL'} {path}: {lines[0]}")
         for line in lines[1:]:
             print(line)
@@ -290,8 +484,12 @@ def cmd_diff(args) -> int:
 
 
 def cmd_bisect(args) -> int:
-    from .bisect import CommitLine, path_report, release_line, search
+    """Prints the header first and each replay as it ends (each takes 10-35 s)."""
+    from .bisect import CommitLine, conclusion, header_line, probe_line, release_line, search
     from .runner import engine_runner
+
+    def say(text: str) -> None:
+        print(text, flush=True)
 
     trace = load_target(args.target)
 
@@ -301,15 +499,17 @@ def cmd_bisect(args) -> int:
 
     if args.tree is None:
         line = release_line(args.good, args.bad)
-        res = search(line, replay_on)
-        print(path_report(res, "releases"))
+        say(header_line(len(line), "releases"))
+        res = search(line, replay_on, on_probe=lambda p: say(probe_line(p)))
     else:
         commits = CommitLine(args.tree, args.good, args.bad)
         try:
-            res = search(commits.commits, lambda c: replay_on(commits.engine(c)))
+            say(header_line(len(commits.commits), f"commits of {commits.tree}"))
+            res = search(commits.commits, lambda c: replay_on(commits.engine(c)),
+                         on_probe=lambda p: say(probe_line(p)))
         finally:
             commits.close()
-        print(path_report(res, f"commits of {commits.tree}"))
+    say(conclusion(res))
     return EXIT_OK if res.first_bad is not None else EXIT_MISMATCH
 
 
@@ -413,7 +613,9 @@ def cmd_anonymize(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "bisect": cmd_bisect,
+COMMANDS = {"run": cmd_run, "check": cmd_check, "explain": cmd_explain, "sweep": cmd_sweep,
+            "report": cmd_report,
+            "diff": cmd_diff, "bisect": cmd_bisect,
             "compile": cmd_compile, "import": cmd_import, "info": cmd_info,
             "anonymize": cmd_anonymize}
 
@@ -421,7 +623,8 @@ COMMANDS = {"run": cmd_run, "check": cmd_check, "diff": cmd_diff, "bisect": cmd_
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(args_list)
-    if args.command in ("run", "check", "diff", "bisect") and argv is None:
+    if args.command in ("run", "check", "explain", "sweep", "report", "diff", "bisect") \
+            and argv is None:
         from .determinism import reexec_with_pinned_seed
 
         reexec_with_pinned_seed(args_list)

@@ -84,9 +84,14 @@ def _stderr_fd() -> int:
 class EngineProcess:
     """One child process that replays traces on a release or a source tree."""
 
-    def __init__(self, engine: ResolvedEngine) -> None:
+    def __init__(self, engine: ResolvedEngine, *, installed_too: bool = False,
+                 env_defaults: dict[str, str] | None = None) -> None:
+        """``installed_too``: the installed vLLM gets a child as well, whose
+        interpreter hash seed is pinned (the pytest plugin: pytest's own seed is
+        random). ``env_defaults``: the child's environment where this one's is unset."""
+        self._env_defaults = dict(env_defaults or {})
         self.engine = engine
-        if engine.sources is None:
+        if engine.sources is None and not installed_too:
             raise EngineError(f"engine {self.engine.spec!r} is the installed vLLM; "
                               "it replays in this process")
         self.info = self.engine.info
@@ -100,6 +105,8 @@ class EngineProcess:
             raise
 
     def _write_overlay(self) -> None:
+        if self.engine.sources is None:             # the installed vLLM: nothing to overlay
+            return
         (self._overlay / "vllm").symlink_to(self.engine.sources, target_is_directory=True)
         dist = self._overlay / f"vllm-{self.info.vllm}.dist-info"
         dist.mkdir()
@@ -107,7 +114,7 @@ class EngineProcess:
             f"Metadata-Version: 2.1\nName: vllm\nVersion: {self.info.vllm}\n")
 
     def _start(self) -> None:
-        env = dict(os.environ)
+        env = {**self._env_defaults, **os.environ}
         env["PYTHONHASHSEED"] = INTERPRETER_SEED
         paths = [str(self._overlay), str(REPO_ROOT)]
         if env.get("PYTHONPATH"):
@@ -129,7 +136,7 @@ class EngineProcess:
                store: Any = None, record_dir: str | None = None, shortcuts: bool = True):
         """Replay ``trace`` in the child; same result and errors as in this process."""
         connector = trace.engine.connector
-        if connector:
+        if connector and self.engine.sources is not None:
             raise UnsupportedByEngine(
                 f"{self.info.label}: connector replay ({connector}) runs on the installed "
                 "vLLM only; releases and source trees do not support it yet")

@@ -24,6 +24,7 @@ from traces.trace import read_trace
 from traces.schema import OUTCOME_FIELDS
 
 from .replay import ReplayResult
+from .engines.specs import INSTALLED
 from .runner import replay_on
 
 # Store operations compared by key (puts, gets, lookups); their order across a
@@ -32,9 +33,11 @@ STORE_OPS_COMPARED = ("lookup", "put", "get")
 MAX_LINES = 10
 
 
-def record_replay(trace: Trace, out_dir: str | Path, store: Any = None) -> ReplayResult:
-    """Replay ``trace`` on the installed vLLM with the recorder writing to ``out_dir``."""
-    return replay_on(trace, store=store, record_dir=str(out_dir))
+def record_replay(trace: Trace, out_dir: str | Path, store: Any = None,
+                  spec: Any = INSTALLED) -> ReplayResult:
+    """Replay ``trace`` on ``spec`` (the installed vLLM, or a release the recorder
+    hooks: 0.32) with the recorder writing to ``out_dir``."""
+    return replay_on(trace, spec, store=store, record_dir=str(out_dir))
 
 
 def _rows(table, cols: tuple[str, ...]) -> list[tuple]:
@@ -84,14 +87,15 @@ def compare(recorded: Trace, fresh: Trace) -> list[str]:
     return diffs
 
 
-def check_against_recorded(trace: Trace, store: Any = None) -> tuple[list[str], bool, ReplayResult]:
+def check_against_recorded(trace: Trace, store: Any = None,
+                           spec: Any = INSTALLED) -> tuple[list[str], bool, ReplayResult]:
     """Replay a recorded trace and compare; (report lines, matched, the replay)."""
     if trace.outcomes is None:
         raise TraceError(trace.path or "trace", "has no outcomes table: --against recorded "
                                                 "needs a recorded trace")
     scratch = Path(tempfile.mkdtemp(prefix="replayer-fidelity-"))
     try:
-        result = record_replay(trace, scratch / "trace", store=store)
+        result = record_replay(trace, scratch / "trace", store=store, spec=spec)
         fresh = read_trace(scratch / "trace")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

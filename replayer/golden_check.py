@@ -53,6 +53,32 @@ def _check_store(trace: Trace, result: ReplayResult) -> tuple[list[str], bool]:
     return lines, False
 
 
+def engine_key_of(spec: Any) -> str:
+    """The key an engine's goldens are filed under (``vllm==X.Y.Z``), from a parsed
+    spec (:func:`replayer.engines.specs.parse_spec`): known before it runs or is fetched."""
+    from .engines import installed_vllm_version
+
+    version = installed_vllm_version() if spec.version is None else spec.version
+    return f"vllm=={version}"
+
+
+def has_goldens(trace: Trace, key: str) -> bool:
+    return select(trace.goldens, key) is not None
+
+
+def said_before_replay(spec: Any, trace: Trace) -> bool:
+    """Whether "no goldens" may be said of ``trace`` before any replay: not when the
+    engine will refuse it anyway (connector replay on a release or tree, refused by
+    :class:`replayer.engine_process.EngineProcess`, which ``check`` reports as SKIP)."""
+    return spec.kind == "installed" or not trace.engine.connector
+
+
+def no_goldens(path: Path | str, key: str) -> list[str]:
+    """What ``check`` says, without replaying, of a target with no goldens for ``key``."""
+    return [f"FAIL {path}: no goldens for engine {key} (record them with --update-golden); "
+            "not replayed"]
+
+
 def check(path: Path, trace: Trace, result: ReplayResult) -> tuple[list[str], bool]:
     """Report lines, and whether every kind of golden matched."""
     engine_key = result.engine.key

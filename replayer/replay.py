@@ -51,6 +51,15 @@ class ReplayResult:
     store: dict[str, Any] | None = None
     # vLLM's KV-cache groups in its own order (kind, EAGLE drop), when the adapter tells.
     kv_groups: list[dict[str, Any]] | None = None
+    # Tokens every prefix hit is a multiple of (vLLM's cache_hit_alignment_tokens),
+    # when the adapter tells; not part of the JSON.
+    hit_alignment: int | None = None
+    # When each request last looked up the prefix cache, (engine step, lookup
+    # number), and the engine step it finished in (steps counted as run, not
+    # the clock): who could see whose prefix (replayer.explain). Adapters that
+    # tell; not part of the JSON.
+    lookups: dict[str, tuple[int, int]] | None = None
+    finished_engine_step: dict[str, int] = field(default_factory=dict)
     # Settings of the trace this engine does not have, and how it replayed
     # without them (older releases); said on stderr, never part of the JSON.
     notes: list[str] = field(default_factory=list)
@@ -156,6 +165,7 @@ def replay(trace: Trace, engine: EngineAdapter,
     order: deque[int] = deque()                       # rows of pending, in arrival order
     kept: list[RequestOutcome] = []
     totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}   # of handed-on outcomes
+    finished_engine_step: dict[str, int] = {}
     clock = steps_run = idle = done = prompt_done = cached_done = 0
 
     def add(i: int) -> None:
@@ -246,6 +256,7 @@ def replay(trace: Trace, engine: EngineAdapter,
             r = pending[row]
             if r.finish_step is None:
                 r.finish_step = clock - 1
+                finished_engine_step[rid] = steps_run
             done += 1
             prompt_done += r.num_prompt_tokens
             cached_done += r.num_cached_tokens or 0
@@ -267,5 +278,7 @@ def replay(trace: Trace, engine: EngineAdapter,
                         steps=steps_run, store=engine.store_report(),
                         kv_groups=engine.kv_groups(), notes=list(engine.notes),
                         streamed=None if sink is None else totals,
+                        hit_alignment=engine.hit_alignment(), lookups=engine.lookups(),
+                        finished_engine_step=finished_engine_step,
                         timings={"loop_s": time.perf_counter() - t_start,
                                  "vllm_s": engine.vllm_seconds()})

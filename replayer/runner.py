@@ -59,17 +59,24 @@ def replay_here(trace: Trace, spec: Spec = INSTALLED, *,
 
 
 @contextmanager
-def engine_runner(spec: Spec = INSTALLED) -> Iterator[Runner]:
+def engine_runner(spec: Spec = INSTALLED, *, own_process: bool = False,
+                  env_defaults: dict[str, str] | None = None) -> Iterator[Runner]:
     """A function ``run(trace, progress=, store=, record_dir=, shortcuts=)`` replaying on ``spec``:
     in this process for the installed vLLM, else in one child process kept for
-    every call until the ``with`` block ends."""
+    every call until the ``with`` block ends.
+
+    ``own_process``: the installed vLLM gets a child too, whose interpreter hash
+    seed is pinned as the CLI pins its own (the pytest plugin and
+    :mod:`replayer.testing`: a test runner's seed is random, and vLLM frees
+    blocks from sets whose order depends on it). ``env_defaults``: the child's
+    environment where this one's is unset."""
     engine = resolve(spec)
-    if engine.runs_here():
+    if engine.runs_here() and not own_process:
         yield partial(replay_here, spec=engine)
         return
     from .engine_process import EngineProcess
 
-    with EngineProcess(engine) as child:
+    with EngineProcess(engine, installed_too=own_process, env_defaults=env_defaults) as child:
         yield child.replay
 
 

@@ -1,14 +1,114 @@
 #!/usr/bin/env bash
-# The test suite, as CI runs it. Tests that start a real mooncake_master run
-# inside a private network namespace when we can make one (root + unshare), so
-# nothing they start listens beyond this machine's test.
-set -euo pipefail
+# The test suite, as CI runs it (make test), in named phases: each says what it
+# runs before it starts and how long it took when it ends, and a summary ends
+# the run (the whole suite takes ~20-30 min on 2 cores; pytest's -q dots inside
+# a phase). Every phase runs even when an earlier one failed; the exit code is
+# non-zero if any did. Extra arguments go to every pytest run (e.g. -x).
+#
+# Test files are listed by phase below; a tests/test_*.py not listed runs in
+# "other tests", so none is ever left out. Tests that start a real
+# mooncake_master (-m real_master) or a real vllm serve (-m live_server) run
+# last, inside a private network namespace when we can make one (root +
+# unshare), so nothing they start listens beyond this machine's test.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-"$PY" -m pytest -q -m "not real_master" "$@"
-if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null; then
-  echo "real-master tests in a private network namespace:"
-  unshare -n sh -c "ip link set lo up && exec '$PY' -m pytest -q -m real_master $*"
-else
-  "$PY" -m pytest -q -m real_master "$@"
+
+UNITS="tests/test_traces_*.py tests/test_cli_errors.py tests/test_cli_version.py
+       tests/test_engines_specs.py tests/test_recorder_writer.py tests/test_store_memory.py
+       tests/test_schedule.py tests/test_golden_update.py"
+INSTALLED="tests/test_replay.py tests/test_anonymize.py tests/test_store_ops.py
+           tests/test_store_errors.py tests/test_store_real_master.py"
+RECORDER="tests/test_recorder_roundtrip.py tests/test_recorder_kill.py"
+ENGINES="tests/test_engines_replay.py"
+PLUGIN="tests/test_pytest_plugin.py tests/test_testing_api.py"
+README="tests/test_readme.py"
+
+listed=" "
+for f in $UNITS $INSTALLED $RECORDER $ENGINES $PLUGIN $README; do listed+="$f "; done
+OTHERS=""
+for f in tests/test_*.py; do
+  [[ "$listed" == *" $f "* ]] || OTHERS+="$f "
+done
+
+existing() { for f in "$@"; do [ -e "$f" ] && printf '%s ' "$f"; done; }
+
+PHASES=9
+[ -n "$OTHERS" ] && PHASES=10
+n=0
+summary=()
+failed=0
+phase() {  # phase NAME COMMAND...
+  local name=$1; shift
+  n=$((n + 1))
+  echo
+  echo "=== phase $n/$PHASES: $name"
+  local start=$SECONDS rc=0
+  "$@" || rc=$?
+  local took=$((SECONDS - start))
+  if [ "$rc" = 0 ] || { [ "$rc" = 5 ] && [ "${ALLOW_EMPTY:-0}" = 1 ]; }; then
+    echo "=== phase $n/$PHASES: $name: passed in ${took} s"
+    summary+=("passed  $(printf '%5d' "$took") s  $name")
+  else
+    echo "=== phase $n/$PHASES: $name: FAILED (exit $rc) after ${took} s"
+    summary+=("FAILED  $(printf '%5d' "$took") s  $name")
+    failed=1
+  fi
+}
+
+pytest_phase() {  # pytest_phase NAME FILES... (no real_master tests)
+  local name=$1; shift
+  local files; files=$(existing "$@")
+  if [ -z "$files" ]; then
+    phase "$name" true
+    return
+  fi
+  # 5 (nothing collected) is fine here: a file may hold only real_master tests.
+  # shellcheck disable=SC2086
+  ALLOW_EMPTY=1 phase "$name" "$PY" -m pytest -q -m "not real_master and not live_server" $files "${ARGS[@]}"
+}
+
+ARGS=("$@")
+fetch_releases() {
+  "$PY" -c 'from replayer.engines.releases import release_sources
+for v in ("0.29.0", "0.33.0"):
+    print(f"vllm=={v}: {release_sources(v)}")'
+}
+
+real_master() {
+  if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null; then
+    echo "(inside a private network namespace: unshare -n, ip link set lo up)"
+    unshare -n sh -c "ip link set lo up && exec '$PY' -m pytest -q -m 'real_master or live_server' tests/ ${ARGS[*]}"
+  else
+    "$PY" -m pytest -q -m "real_master or live_server" tests/ "${ARGS[@]}"
+  fi
+}
+
+# shellcheck disable=SC2086
+{
+pytest_phase "traces, command line, specs, step clock, golden updates, recorder writer, memory store (no vLLM replay)" $UNITS
+pytest_phase "replays on the installed vLLM 0.33.0 (store tests without a master included)" $INSTALLED
+pytest_phase "recorder: round trips and kill -9" $RECORDER
+phase "fetch vLLM 0.29.0 and 0.33.0 release sources (once per cache, ~660 MB of downloads)" fetch_releases
+pytest_phase "replays on vLLM releases and source trees, bisect" $ENGINES
+pytest_phase "pytest plugin and replayer.testing (pytest runs in subprocesses, -n 2 included)" $PLUGIN
+golden_fixtures() {  # nothing collected (exit 5) means the plugin is not registered: a failure
+  "$PY" -m pytest -q fixtures/ --replayer-engine installed --replayer-engine vllm==0.29.0 \
+    "${ARGS[@]}" && return 0
+  local rc=$?
+  [ "$rc" = 5 ] && echo "no fixture collected: is the pytest11 entry point installed? (pip install -e .)"
+  return "$rc"
+}
+phase "golden fixtures through the plugin: pytest fixtures/ on installed and vllm==0.29.0" \
+  golden_fixtures
+pytest_phase "README console blocks (tests/test_readme.py)" $README
+if [ -n "$OTHERS" ]; then
+  pytest_phase "other tests: $OTHERS" $OTHERS
 fi
+phase "real-master and live-server tests (a real mooncake_master; a real vllm serve from .venv-serve)" real_master
+}
+
+echo
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
+exit "$failed"

@@ -16,10 +16,9 @@ FIXTURES = REPO / "fixtures"
 SCENARIOS = FIXTURES / "scenarios"
 STORE_SCENARIOS = FIXTURES / "store"
 TRACES = FIXTURES / "traces"
-# CI clones the repo beside a copy of shared/, as on a developer machine; a
-# checkout elsewhere (a git worktree) names the file in MOONCAKE_TRACE.
-MOONCAKE_TRACE = Path(os.environ.get("MOONCAKE_TRACE") or
-                      REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl")
+# The first 500 lines of the public Mooncake conversation trace, kept in the repo
+# so that a clone alone runs the tests (fixtures/mooncake/README.md says whence).
+MOONCAKE_TRACE = FIXTURES / "mooncake" / "conversation_trace_head500.jsonl"
 
 # Environment a replay in this process reads before vLLM is imported: quiet logs, no hub.
 QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch", "HF_HUB_OFFLINE": "1",

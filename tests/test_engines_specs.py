@@ -175,7 +175,7 @@ def fake_wheel(folder: Path, version: str) -> Path:
     return path
 
 
-def test_release_cache_starts_from_nothing(tmp_path, monkeypatch):
+def test_release_cache_starts_from_nothing(tmp_path, monkeypatch, capsys):
     cache = tmp_path / "not" / "yet" / "there"
     wheels = tmp_path / "index"
     fake_wheel(wheels, "0.29.0")
@@ -187,6 +187,11 @@ def test_release_cache_starts_from_nothing(tmp_path, monkeypatch):
     pkg = cache / "releases" / "vllm-0.29.0" / "vllm"
     assert spec.sources == str(pkg)
     assert spec.info == EngineInfo("0.29.0", "release")
+    # A fetch says what it does on stderr, phase by phase (it takes ~50 s for real).
+    said = capsys.readouterr().err.splitlines()
+    assert [line.split(": ")[2].split(" ")[0] for line in said] == [
+        "downloading", "unpacking", "done"], said
+    assert all(line.startswith("replayer: fetching vllm==0.29.0: ") for line in said), said
     kept = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*") if p.is_file())
     assert kept == ["__init__.py", "model_executor/configs/x.json", "v1/engine/core.py"]
     # Nothing but the release and its lock: no wheel, no half-extracted folder.
@@ -196,6 +201,7 @@ def test_release_cache_starts_from_nothing(tmp_path, monkeypatch):
     # Fetched once: a second resolve needs no wheel at all.
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))
     assert release_sources("0.29.0") == pkg
+    assert capsys.readouterr().err == ""            # nothing to fetch, nothing said
 
     # A release pip cannot find: one clear error, nothing left behind.
     with pytest.raises(EngineError, match=r"engine vllm==0.31.0: could not fetch the wheel"):
@@ -215,6 +221,12 @@ def test_connector_trace_on_a_release_is_refused_plainly(tmp_path):
            "PIP_FIND_LINKS": str(tmp_path / "index")}
     needle = ("vllm 0.29.0 (release): connector replay (mooncake_store) runs on the installed "
               "vLLM only; releases and source trees do not support it yet")
+    # The first use fetches the release, and says so on stderr; nothing else is said.
+    proc = cli("check", scenario, "--engine", "vllm==0.29.0", env=env)
+    assert (proc.returncode, proc.stdout) == (0, f"SKIP {scenario}: {needle}\n")
+    fetch_lines = proc.stderr.splitlines()
+    assert fetch_lines and all(line.startswith("replayer: fetching vllm==0.29.0: ")
+                               for line in fetch_lines), proc.stderr
     assert_bad_input(cli("run", scenario, "--engine", "vllm==0.29.0", env=env), needle)
     proc = cli("check", scenario, "--engine", "vllm==0.29.0", env=env)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"SKIP {scenario}: {needle}\n", "")
@@ -255,9 +267,10 @@ def test_search_finds_the_first_engine_that_differs_in_few_replays():
         tried.append(i)
         return _fake_result(i, 64 if i < 5 else 32)
 
-    res = search(list(range(9)), replay_one)
+    res = search(list(range(9)), replay_one, on_probe=lambda p: tried.append(f"told {p.index}"))
     assert res.first_bad is not None and res.first_bad.index == 5
-    assert tried == [0, 8, 4, 6, 5]                 # good, bad, then halving
+    # good, bad, then halving; each told as soon as it is replayed
+    assert tried == [0, "told 0", 8, "told 8", 4, "told 4", 6, "told 6", 5, "told 5"]
     assert [(p.role, p.matched_good) for p in res.path] == [
         ("good", True), ("bad", False), ("try", True), ("try", False), ("try", False)]
     assert res.change is not None and res.change.a.vllm == "0.4.0"
@@ -270,3 +283,14 @@ def test_search_when_bad_matches_good():
     res = search([0, 1, 2], lambda i: _fake_result(i, 64))
     assert res.first_bad is None
     assert [p.index for p in res.path] == [0, 2]
+
+
+def test_bisect_prints_its_header_before_the_first_replay(tmp_path):
+    """The header comes first, even when the first replay then fails (here: no wheel)."""
+    env = {"PREFIX_REPLAYER_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+           "PIP_FIND_LINKS": str(tmp_path / "empty")}
+    proc = cli("bisect", FIXTURE, "--good", "vllm==0.29.0", "--bad", "vllm==0.30.0", env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "bisect over 2 releases:\n"
+    assert proc.stderr.splitlines()[-1].startswith(
+        "replayer: error: engine vllm==0.29.0: could not fetch the wheel")

@@ -193,10 +193,15 @@ def test_recording_on_an_unsupported_vllm_is_refused_in_one_line():
 
     check_release("0.33.0")
     check_release("0.33.1.dev4+g1234abc")
-    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0 is not supported \(it hooks 0\.33\.x\)"):
+    check_release("0.32.0")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0 is not supported "
+                                           r"\(it hooks 0\.32\.x, 0\.33\.x\)"):
         check_release("0.34.0")
     with pytest.raises(RuntimeError, match="unset PREFIX_REPLAYER_RECORD_DIR"):
         check_release("0.3.3")
+    with pytest.raises(RuntimeError, match=r"KV connector is not recorded on vLLM 0\.32\.0 "
+                                           r"\(only on 0\.33\.x\)"):
+        check_release("0.32.0", connector=True)
 
 
 @pytest.mark.parametrize("raw, needle", [("soon", "expected seconds, e.g. 2.5"),

@@ -162,7 +162,30 @@ def test_trace_without_goldens_fails_check(tmp_path):
     shutil.rmtree(out / "golden")
     proc = cli("check", str(out))
     assert proc.returncode == 1
-    assert "no goldens for engine vllm==0.33.0" in proc.stdout
+    assert proc.stdout == (f"FAIL {out}: no goldens for engine vllm==0.33.0 (record them with "
+                           "--update-golden); not replayed\n")
+
+
+def test_check_says_no_goldens_before_replaying(tmp_path):
+    """A target without goldens for the engine is not replayed at all: this one would
+    stop the replay (exit 2), and a release would be fetched first (exit 2 here)."""
+    path = tmp_path / "nofit.yaml"
+    path.write_text(textwrap.dedent("""\
+        engine: {block_size: 16, num_gpu_blocks: 8}
+        requests:
+          - {id: big, prompt: [{stream: doc, len: 3000}]}
+        expect:
+          "vllm==0.29.0": {big: {num_cached_tokens: 0}}
+        """))
+    proc = cli("check", str(path))
+    assert (proc.returncode, proc.stderr) == (1, "")
+    assert proc.stdout == (f"FAIL {path}: no goldens for engine vllm==0.33.0 (record them "
+                           "with --update-golden); not replayed\n")
+    proc = cli("check", str(path), "--engine", "vllm==0.31.0",
+               env={"PREFIX_REPLAYER_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1"})
+    assert (proc.returncode, proc.stderr) == (1, "")
+    assert "no goldens for engine vllm==0.31.0" in proc.stdout
+    assert not (tmp_path / "cache").exists()        # nothing fetched
 
 
 def test_json_is_byte_identical_whatever_the_shell_hash_seed(tmp_path):

@@ -130,3 +130,18 @@ def test_first_50_lines_of_the_conversation_trace(tmp_path):
                 pairs_diverging += 1
     # the sample does exercise both sides of the rule
     assert pairs_sharing > 10 and pairs_diverging > 10
+
+
+def test_the_bundled_slice_is_the_head_of_the_public_trace_behind_conversation_500():
+    """fixtures/mooncake/ holds the first 500 lines; conversation_500 is their import."""
+    from conftest import TRACES
+
+    lines = MOONCAKE_TRACE.read_text().splitlines()
+    assert len(lines) == 500
+    assert json.loads(lines[0]) == {"timestamp": 0, "input_length": 6758, "output_length": 500,
+                                    "hash_ids": list(range(14))}
+    imported = import_mooncake(MOONCAKE_TRACE, limit=500).requests
+    bundled = read_trace(TRACES / "conversation_500").requests
+    for name in ("id", "arrival_step", "arrival_ms", "num_prompt_tokens", "prompt_block_ids",
+                 "output_len"):
+        assert imported[name].to_pylist() == bundled[name].to_pylist(), name

@@ -40,7 +40,10 @@ def serve_command(args) -> list[str]:
     cmd = ["vllm", "serve", args.model, "--port", str(args.port),
            "--enable-prefix-caching", "--no-async-scheduling",
            "--scheduler-cls", "replayer.recorder.scheduler.RecordingScheduler",
-           "--max-model-len", str(args.max_model_len), "--seed", "0"]
+           "--max-model-len", str(args.max_model_len), "--seed", "0",
+           # Without it SIGINT kills the engine process at once (timeout 0 =
+           # abort) and the recorder's last unflushed rows are lost.
+           "--shutdown-timeout", "60"]
     if args.mooncake:
         cmd += ["--kv-transfer-config", json.dumps({
             "kv_connector": "MooncakeStoreConnector",

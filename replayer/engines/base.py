@@ -148,3 +148,11 @@ class EngineAdapter(ABC):
     def kv_groups(self) -> list[dict[str, Any]] | None:
         """vLLM's KV-cache groups in its order (kind, EAGLE drop), where the adapter can tell."""
         return None
+
+    def hit_alignment(self) -> int | None:
+        """vLLM's granularity of prefix hits (``cache_hit_alignment_tokens``), if known."""
+        return None
+
+    def lookups(self) -> dict[str, tuple[int, int]] | None:
+        """Each request's last prefix-cache lookup: (engine step, lookup number), if known."""
+        return None

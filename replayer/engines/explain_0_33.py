@@ -30,19 +30,26 @@ def group_kind(spec: Any) -> str:
 class GroupHits:
     """Installs itself around the KV-cache manager's lookup; reads nothing else."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, step: Any = None) -> None:
         manager = scheduler.kv_cache_manager
         self.coordinator = manager.coordinator
         groups = scheduler.kv_cache_config.kv_cache_groups
         self.kinds = [group_kind(g.kv_cache_spec) for g in groups]
         self.eagle = [bool(g.is_eagle_group) for g in groups]
         self.hits: dict[str, list[int]] = {}
+        # (engine step, lookup number) of each request's last lookup: the order
+        # in which requests could see each other's prefixes.
+        self.lookups: dict[str, tuple[int, int]] = {}
+        self._count = 0
+        step = step or (lambda: 0)
         original = manager.get_computed_blocks
 
         def get_computed_blocks(request, *args, **kwargs):
             out = original(request, *args, **kwargs)
             # The last lookup before the request is scheduled is the one that counts.
             self.hits[request.request_id] = self._per_group(request, out[1])
+            self._count += 1
+            self.lookups[request.request_id] = (step(), self._count)
             return out
 
         manager.get_computed_blocks = get_computed_blocks

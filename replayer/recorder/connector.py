@@ -112,7 +112,7 @@ class RecordingConnectorMixin:
         if out and worker is not None and getattr(worker, "store", None) is not None:
             import vllm
 
-            check_release(vllm.__version__)
+            check_release(vllm.__version__, connector=True)
             rank = _rank()
             self._rec_session = StoreSession(out, rank)
             self._rec_store = StoreOpRecorder(worker.store, self._rec_session, rank, out)

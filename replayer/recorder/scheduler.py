@@ -45,9 +45,9 @@ class SchedulerRecorder:
     def __init__(self, out: str, vllm_config: Any, kv_cache_config: Any) -> None:
         import vllm
 
-        check_release(vllm.__version__)
+        adapter = check_release(vllm.__version__)
         self.session = SchedulerSession(out)
-        write_header(self.session.out, recorded_header(vllm_config, kv_cache_config))
+        write_header(self.session.out, recorded_header(vllm_config, kv_cache_config, adapter))
         self.session.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0)
                                            or vllm_config.cache_config.block_size)
         if vllm_config.kv_transfer_config is not None:

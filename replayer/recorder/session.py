@@ -21,7 +21,8 @@ from traces.atomic import write_atomic
 from traces.trace import header_json
 from traces.writer import PartWriter
 
-RECORD_ENV = "PREFIX_REPLAYER_RECORD_DIR"
+from .releases import RECORD_ENV, RECORDER_RELEASES, check_release  # noqa: F401 (re-exported)
+
 # Seconds a row may wait in memory before its part is written: what a kill
 # can lose (default traces.writer.DEFAULT_MAX_SECONDS).
 FLUSH_ENV = "PREFIX_REPLAYER_RECORD_FLUSH_SECONDS"
@@ -39,21 +40,6 @@ def record_dir(vllm_config: Any = None) -> str | None:
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(ktc, "kv_connector_extra_config", None) or {}
     return extra.get(CONFIG_KEY) or os.environ.get(RECORD_ENV) or None
-
-
-# The recorder hooks scheduler internals (prefill stats on outputs,
-# ``_free_request``, the connector's store client) as vLLM 0.33 has them.
-RECORDER_RELEASES = ("0.33",)
-
-
-def check_release(version: str) -> None:
-    """Refuse to record on a vLLM whose internals the hooks were not written for:
-    a server that fails to start says why; a recording that is quietly wrong does not."""
-    if not any(version == r or version.startswith(r + ".") for r in RECORDER_RELEASES):
-        raise RuntimeError(
-            f"prefix-replayer recorder: vLLM {version} is not supported (it hooks "
-            f"{', '.join(r + '.x' for r in RECORDER_RELEASES)}); unset {RECORD_ENV} "
-            "(and recorder_dir) to serve without recording")
 
 
 def writer_options() -> dict[str, Any]:

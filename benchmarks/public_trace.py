@@ -1,0 +1,41 @@
+"""Where the benchmarks find the whole public Mooncake conversation trace.
+
+The repository ships only its first 500 lines (fixtures/mooncake/, for the
+tests); the benchmarks want all 12,031 requests. The file is, in this order:
+``--trace FILE``, ``$PREFIX_REPLAYER_MOONCAKE_TRACE``, or
+``../shared/traces/mooncake_conversation_trace.jsonl`` beside the checkout
+when present. Missing: one line saying where to get it, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ENV = "PREFIX_REPLAYER_MOONCAKE_TRACE"
+BESIDE_CHECKOUT = (Path(__file__).resolve().parents[2] / "shared" / "traces"
+                   / "mooncake_conversation_trace.jsonl")
+WHERE_FROM = ("the Mooncake FAST'25 trace release, github.com/kvcache-ai/Mooncake, "
+              "FAST25-release/traces/conversation_trace.jsonl (Apache-2.0)")
+
+
+def add_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--trace", metavar="FILE",
+                    help=f"the Mooncake conversation trace (JSONL); default ${ENV}, "
+                         f"else {BESIDE_CHECKOUT} when present")
+
+
+def trace_path(args: argparse.Namespace) -> Path:
+    """The trace to read, or exit 2 with one line naming what is missing."""
+    given = args.trace or os.environ.get(ENV)
+    path = Path(given).expanduser() if given else BESIDE_CHECKOUT
+    if not path.is_file():
+        how = (f"--trace {given}" if args.trace else f"${ENV}={given}" if given
+               else f"the default {path}")
+        print(f"{Path(sys.argv[0]).name}: error: {how}: no such file; the benchmark needs the "
+              f"whole Mooncake conversation trace, from {WHERE_FROM}; pass --trace FILE or set "
+              f"{ENV}", file=sys.stderr)
+        sys.exit(2)
+    return path

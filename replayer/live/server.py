@@ -1,0 +1,110 @@
+"""Starting and stopping ``vllm serve`` from ``.venv-serve`` with the recorder on.
+
+The server and its client must share a network namespace that reaches
+nothing else (``unshare -n`` with ``lo`` up, as scripts/run-tests.sh does):
+vLLM opens internal ZMQ ports besides the HTTP one. ``--shutdown-timeout``
+makes SIGINT drain the engine instead of killing its process at once, so the
+recorder's last rows are flushed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from .configs import ServeConfig
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+SERVE_VENV = ROOT / ".venv-serve"
+SERVED_NAME = "tiny"
+LOG_TAIL = 15
+
+
+class LiveError(RuntimeError):
+    """The server could not be started or stopped; the message is one line plus the log tail."""
+
+
+def serve_command(cfg: ServeConfig, port: int, venv: Path = SERVE_VENV) -> list[str]:
+    return [str(venv / "bin" / "vllm"), "serve", str(cfg.model),
+            "--served-model-name", SERVED_NAME, "--load-format", "dummy",
+            "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
+            "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
+            "--enable-prefix-caching", "--no-async-scheduling",
+            "--scheduler-cls", "replayer.recorder.scheduler.RecordingScheduler",
+            "--max-model-len", str(cfg.max_model_len), "--seed", "0",
+            "--shutdown-timeout", "60", *cfg.serve_args]
+
+
+def serve_env(out: Path) -> dict[str, str]:
+    return {**os.environ, "PREFIX_REPLAYER_RECORD_DIR": str(out), "PYTHONHASHSEED": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT),
+            "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def log_tail(log: Path, n: int = LOG_TAIL) -> str:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("  | " + ln for ln in lines[-n:])
+
+
+@dataclass
+class Server:
+    cfg: ServeConfig
+    out: Path
+    log: Path
+    port: int
+    proc: subprocess.Popen | None = None
+    startup_s: float = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def start(self, timeout: float = 600.0, venv: Path = SERVE_VENV) -> None:
+        vllm = venv / "bin" / "vllm"
+        if not vllm.exists():
+            raise LiveError(f"{vllm} does not exist: build it with `make serve-venv`")
+        t0 = time.monotonic()
+        with open(self.log, "w") as fh:
+            self.proc = subprocess.Popen(serve_command(self.cfg, self.port, venv),
+                                         env=serve_env(self.out), stdout=fh,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise LiveError(f"vllm serve ({self.cfg.name}) exited with code "
+                                f"{self.proc.returncode} before it was ready; log {self.log}:\n"
+                                + log_tail(self.log))
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    self.startup_s = time.monotonic() - t0
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(1)
+        self.kill()
+        raise LiveError(f"vllm serve ({self.cfg.name}) not ready after {timeout:.0f} s; "
+                        f"log {self.log}:\n" + log_tail(self.log))
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """SIGINT, as an operator stops it: the engine drains and the recorder flushes."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise LiveError(f"vllm serve ({self.cfg.name}) did not stop {timeout:.0f} s after "
+                            f"SIGINT; killed. log {self.log}:\n" + log_tail(self.log)) from None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

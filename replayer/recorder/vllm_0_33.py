@@ -1,0 +1,17 @@
+"""Recorder adapter for vLLM 0.33.x: the release the hooks were first written for.
+
+Speculative decoding is recorded as the config says, lookahead block hashes
+included (0.33 added them and the flag that turns them off); the
+MooncakeStore connector is recorded (:mod:`.connector`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+RECORDS_CONNECTOR = True
+
+
+def speculative_block(spec: Any) -> dict[str, Any]:
+    return {"method": str(spec.method), "num_speculative_tokens": int(spec.num_speculative_tokens),
+            "disable_lookahead_block_hashes": bool(spec.disable_lookahead_block_hashes)}

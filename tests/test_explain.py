@@ -1,0 +1,133 @@
+"""``replayer explain``: every lost token has a cause, on every fixture, on real vLLM."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import REPO, cli
+from helpers_traces import assert_bad_input
+from traces import load_target
+from replayer.explain import CAUSES
+from replayer.explain import explain as explain_with
+from replayer.runner import engine_runner
+
+
+def explain(trace):
+    """Explained on the installed vLLM, through the one way an engine opens."""
+    with engine_runner() as run:
+        return explain_with(trace, run)
+
+FIXTURES = REPO / "fixtures"
+ALL = sorted([*FIXTURES.glob("scenarios/*.yaml"), *FIXTURES.glob("store/*.yaml"),
+              FIXTURES / "traces" / "conversation_500"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ALL, ids=lambda p: p.stem if p.suffix else p.name)
+def test_causes_add_up_and_nothing_is_unexplained(target):
+    ex = explain(load_target(target))
+    t = ex.table
+    lost = sum(t[f"lost_{c}"] for c in CAUSES)
+    assert (t["reachable"] - t["actual"] == lost).all()
+    assert t["lost_unexplained"].abs().sum() == 0, t.filter(pl.col("lost_unexplained") != 0)
+    s = ex.summary()
+    assert s["reachable"] - s["actual"] == sum(s["lost"].values())
+    # The baseline is the plain replay: its hits are the goldens'.
+    gold = next(iter(v for k, v in load_target(target).goldens.items()
+                     if k in ("*", "vllm==0.33.0")), None)
+    if gold:
+        actual = dict(zip(t["id"].to_list(), t["actual"].to_list()))
+        for rid, fields in gold.items():
+            if "num_cached_tokens" in fields:
+                assert actual[rid] == fields["num_cached_tokens"], rid
+
+
+def _lost(ex, rid: str) -> dict[str, int]:
+    row = ex.table.filter(pl.col("id") == rid).row(0, named=True)
+    return {c: row[f"lost_{c}"] for c in CAUSES if row[f"lost_{c}"]}
+
+
+def test_causes_named_by_their_counterfactual():
+    """Each known miss lands on the cause its fixture is about."""
+    ex = explain(load_target(FIXTURES / "scenarios" / "vllm51295_turn1_24577.yaml"))
+    assert _lost(ex, "turn2") == {"eagle_drop": 128}          # the EAGLE drop, 1 PMU
+    ex = explain(load_target(FIXTURES / "scenarios" / "reset_prefix_cache.yaml"))
+    assert _lost(ex, "after_reset") == {"reset": 2992}
+    ex = explain(load_target(FIXTURES / "scenarios" / "shared_system_prompt_hybrid.yaml"))
+    # Mamba state exists only at user_a's prompt end: nothing to resume user_b from.
+    assert _lost(ex, "user_b") == {"sparse_retention": 5888}
+    assert ex.evidence["sparse_retention"].startswith("replay with dense")
+
+
+def test_capacity_is_what_an_unbounded_cache_gets_back(tmp_path):
+    scen = tmp_path / "tiny_cache.yaml"
+    scen.write_text("""\
+engine: {block_size: 16, num_gpu_blocks: 24, max_num_seqs: 2, max_num_batched_tokens: 512}
+requests:
+  - {id: a, prompt: [{stream: doc, len: 300}]}
+  - {id: b, after: a, prompt: [{stream: other, len: 300}]}
+  - {id: c, after: b, prompt: [{stream: doc, len: 300}]}
+""")
+    ex = explain(load_target(scen))
+    # 24 blocks hold one 300-token request: b evicts most of a's blocks.
+    lost = _lost(ex, "c")
+    assert set(lost) == {"capacity"} and 0 < lost["capacity"] <= 288, lost
+    row = ex.table.filter(pl.col("id") == "c").row(0, named=True)
+    assert row["reachable"] == 288 and row["actual"] == 288 - lost["capacity"]
+    assert "num_gpu_blocks=" in ex.replays[1]["change"]
+
+
+@pytest.mark.slow
+def test_cli_json_parquet_and_set(tmp_path):
+    target = FIXTURES / "scenarios" / "vllm51295_turn1_24577.yaml"
+    out = []
+    for k in range(2):
+        proc = cli("explain", str(target), "--json", tmp_path / f"x{k}.json",
+                   "--parquet", tmp_path / f"x{k}.parquet", timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        out.append((tmp_path / f"x{k}.json").read_bytes())
+    assert out[0] == out[1]                                   # byte-identical across runs
+    assert "eagle_drop" in proc.stdout and "top 1 request(s) by lost tokens" in proc.stdout
+    doc = json.loads(out[0])
+    req = {r["id"]: r for r in doc["requests"]}
+    assert req["turn2"] == {"id": "turn2", "reachable": 24576, "actual": 24448,
+                            "reachable_from": "turn1",
+                            "lost": {**dict.fromkeys(CAUSES, 0), "eagle_drop": 128}}
+    assert doc["summary"]["lost"]["unexplained"] == 0
+    assert set(doc["summary"]) >= {"reachable", "actual", "lost"}
+    table = pl.read_parquet(tmp_path / "x0.parquet")
+    assert table["reachable"].to_list() == [0, 24576]
+    # What-if: lookahead block hashes back on, the drop goes away.
+    proc = cli("explain", str(target), "--json", "-", "--set",
+               "engine.speculative.disable_lookahead_block_hashes=false", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    assert {r["id"]: r["actual"] for r in doc["requests"]}["turn2"] == 24576
+
+
+@pytest.mark.parametrize("opt, needle", [
+    ("engine.blok_size=16", "unknown engine key 'blok_size'"),
+    ("block_size=16", "must start with 'engine.'"),
+    ("engine.block_size", "expected engine.KEY=VALUE"),
+    ("engine.block_size=[1", "not YAML"),
+    ("engine.kv_groups=[{kind: linear}]", "kind 'linear'"),
+    ("engine.block_size.x=1", "is not a mapping"),
+])
+def test_bad_set_is_one_line(tmp_path, opt, needle):
+    target = FIXTURES / "scenarios" / "reset_prefix_cache.yaml"
+    for cmd in ("run", "explain"):
+        proc = cli(cmd, str(target), "--set", opt, "--json", tmp_path / "x.json")
+        assert_bad_input(proc, needle)
+        assert not (tmp_path / "x.json").exists()
+
+
+def test_set_changes_the_replay(tmp_path):
+    target = FIXTURES / "scenarios" / "reset_prefix_cache.yaml"
+    proc = cli("run", str(target), "--set", "engine.block_size=32", "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    assert {r["id"]: r["num_cached_tokens"] for r in doc["requests"]}["again"] == 2976
