@@ -221,7 +221,9 @@ def _replay(target, args, run):
         wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
-        result = run(target, progress=bar, store=store, shortcuts=not args.no_shortcuts)
+        # Only said when off, so runners that predate the option keep working.
+        extra = {"shortcuts": False} if getattr(args, "no_shortcuts", False) else {}
+        result = run(target, progress=bar, store=store, **extra)
     finally:
         bar.close()
     for note in result.notes:
