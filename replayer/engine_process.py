@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, Callable
 from traces import Trace
 
 from .determinism import INTERPRETER_SEED
-from .engines import EngineError, UnsupportedByEngine
+from .engines import EngineError, UnsupportedByEngine, check_connector
 from .engines.specs import ResolvedEngine
 from .replay import ReplayError
 
@@ -135,11 +135,7 @@ class EngineProcess:
     def replay(self, trace: Trace, progress: Callable[[Any], None] | None = None,
                store: Any = None, record_dir: str | None = None, shortcuts: bool = True):
         """Replay ``trace`` in the child; same result and errors as in this process."""
-        connector = trace.engine.connector
-        if connector and self.engine.sources is not None:
-            raise UnsupportedByEngine(
-                f"{self.info.label}: connector replay ({connector}) runs on the installed "
-                "vLLM only; releases and source trees do not support it yet")
+        check_connector(self.info.vllm, trace.engine.connector, self.info.label)
         if self._proc is None or self._proc.stdin is None:
             raise EngineError(f"{self.info.label}: the engine process is closed")
         try:

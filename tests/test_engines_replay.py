@@ -123,3 +123,11 @@ def test_bisect_over_commits_finds_the_patch(tmp_path):
                         "(3 replays)")
     assert "turn2       24448     23040  -1408" in proc.stdout
     assert git(repo, "status", "--porcelain") == before         # the checkout is untouched
+
+
+def test_store_fixture_replays_on_0320_through_the_store_adapter():
+    """0.32's MooncakeStore API is 0.33's: the #56615 resend hits as after the fix."""
+    proc = cli("check", "--engine", "vllm==0.32.0", "fixtures/store/resend_after_reset.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("PASS fixtures/store/resend_after_reset.yaml: 6 request(s)")
+    assert "store: " in proc.stdout and "FAIL" not in proc.stdout

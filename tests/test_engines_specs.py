@@ -212,15 +212,15 @@ def test_release_cache_starts_from_nothing(tmp_path, monkeypatch, capsys):
 
 
 def test_connector_trace_on_a_release_is_refused_plainly(tmp_path):
-    """Connector replay is the installed vLLM's only: run says so, check skips the target."""
+    """No store adapter serves 0.29: run says so, check skips the target."""
     scenario = tmp_path / "store.yaml"
     scenario.write_text("engine: {block_size: 16, connector: mooncake_store}\n"
                         "requests:\n  - {id: a, prompt: [{stream: s, len: 40}]}\n")
     fake_wheel(tmp_path / "index", "0.29.0")       # nothing of vLLM is imported on this path
     env = {"PREFIX_REPLAYER_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
            "PIP_FIND_LINKS": str(tmp_path / "index")}
-    needle = ("vllm 0.29.0 (release): connector replay (mooncake_store) runs on the installed "
-              "vLLM only; releases and source trees do not support it yet")
+    needle = ("vllm 0.29.0 (release): connector replay (mooncake_store) is not supported on "
+              "vLLM 0.29.0 yet (its MooncakeStore API differs; replayed on 0.32.x, 0.33.x)")
     # The first use fetches the release, and says so on stderr; nothing else is said.
     proc = cli("check", scenario, "--engine", "vllm==0.29.0", env=env)
     assert (proc.returncode, proc.stdout) == (0, f"SKIP {scenario}: {needle}\n")

@@ -64,6 +64,10 @@ class Speculative:
     num_speculative_tokens: int = field(default=1, metadata=_doc("draft tokens per step", int))
     disable_lookahead_block_hashes: bool = field(default=False, metadata=_doc(
         "0.33's flag: no lookahead block hashes, so the EAGLE drop applies", bool))
+    mtp_modules: int = field(default=1, metadata=_doc(
+        "method mtp only: the draft's MTP modules (num_nextn_predict_layers); above 1 with "
+        "num_speculative_tokens > 1 it is multi-module MTP, which reads "
+        "num_speculative_tokens prefill tokens ahead (1 otherwise)", int))
 
 
 @dataclass(frozen=True)
@@ -101,8 +105,8 @@ class EngineBlock:
     max_num_seqs: int | None = field(default=None, metadata=_doc(
         "SchedulerConfig concurrent sequences; None: vLLM's default", int, vllm_default=True))
     max_model_len: int | None = field(default=None, metadata=_doc(
-        "omitted: the longest request (+ draft room), rounded up to the largest block "
-        "(see sized_for)", int))
+        "omitted: the longest request (+ draft room, at least long_prefill_token_threshold), "
+        "rounded up to the largest block unless num_gpu_blocks is given (see sized_for)", int))
     num_gpu_blocks: int | None = field(default=None, metadata=_doc(
         "KV blocks (num_gpu_blocks_override); omitted: room for four longest requests in "
         "every group (see sized_for)", int))
@@ -114,6 +118,13 @@ class EngineBlock:
         "SchedulerConfig flag as recorded; the replay steps synchronously", bool))
     scheduling_policy: str = field(default="fcfs", metadata=_doc(
         "SchedulerConfig.policy: fcfs (default) or priority", str))
+    tensor_parallel_size: int = field(default=1, metadata=_doc(
+        "ParallelConfig.tensor_parallel_size (default 1): only what the scheduler sees; "
+        "a multiple of decode_context_parallel_size", int))
+    decode_context_parallel_size: int = field(default=1, metadata=_doc(
+        "ParallelConfig.decode_context_parallel_size (default 1): DCP shards the KV "
+        "blocks over this many ranks, so vLLM scales the scheduler block and hit "
+        "alignment by it", int))
     vocab_size: int = field(default=DEFAULT_VOCAB_SIZE, metadata=_doc(
         "vocabulary of the synthetic tokens (default 32000)", int))
     connector: str | None = field(default=None, metadata=_doc(
@@ -123,6 +134,9 @@ class EngineBlock:
     # What the header or scenario said, normalised: to_header() gives it back.
     given: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False,
                                      hash=False)
+    # Lines saying which left-out settings sized_for chose because vLLM's own
+    # default would be refused (said as notes on stderr, never in the JSON).
+    chosen: tuple[str, ...] = field(default=(), repr=False, compare=False, hash=False)
 
     # -- reading --------------------------------------------------------------
     @classmethod
@@ -150,30 +164,78 @@ class EngineBlock:
 
     def sized_for(self, longest_request: int) -> "EngineBlock":
         """``max_model_len`` and ``num_gpu_blocks`` filled in for a trace whose
-        longest request (prompt + output) has ``longest_request`` tokens.
+        longest request (prompt + output) has ``longest_request`` tokens, and
+        scheduler budgets vLLM accepts where vLLM's own defaults would make it
+        refuse to start (see :func:`_accepted_budgets`).
 
         ``max_model_len``: that, plus room for the drafts, rounded up to the
-        largest block; ``num_gpu_blocks``: four such requests in every group.
-        Values the trace set are kept.
+        largest block (not rounded when ``num_gpu_blocks`` is given: vLLM
+        refuses a length the pool cannot hold); ``num_gpu_blocks``: four such requests in every
+        group. Values the trace set are kept. Every value chosen because
+        vLLM's default would be refused is said in ``chosen``.
         """
         sizes = [g.block_size for g in self.kv_groups]
         unit = max(sizes)
         max_len = self.max_model_len
         if max_len is None:
-            max_len = ceil((longest_request + self.num_speculative_tokens + 1) / unit) * unit
+            needed = longest_request + self.num_speculative_tokens + 1
+            if self.long_prefill_token_threshold is not None:
+                needed = max(needed, self.long_prefill_token_threshold)
+            max_len = ceil(needed / unit) * unit
+            if self.num_gpu_blocks is not None:
+                # A given pool must hold one request of max_model_len or vLLM
+                # refuses to start: ask for no more than the trace needs.
+                max_len = needed
         blocks = self.num_gpu_blocks
         if blocks is None:
             blocks = 4 * ceil(max_len / min(sizes)) * len(sizes)
-        return replace(self, max_model_len=max_len, num_gpu_blocks=blocks)
+        budgets, said = _accepted_budgets(self, max_len)
+        return replace(self, max_model_len=max_len, num_gpu_blocks=blocks, **budgets,
+                       chosen=(*self.chosen, *said))
+
+
+# vLLM's SchedulerConfig defaults (0.29-0.33 alike): 2048 tokens and 128
+# sequences per step.
+VLLM_MAX_NUM_BATCHED_TOKENS = 2048
+VLLM_MAX_NUM_SEQS = 128
+
+
+def _accepted_budgets(block: EngineBlock, max_len: int) -> tuple[dict[str, int], list[str]]:
+    """Scheduler budgets for the settings a trace left out, where vLLM's defaults
+    would be refused by ``SchedulerConfig.verify_max_model_len``: at least as
+    many batched tokens as sequences, and (chunked prefill off) as
+    ``max_model_len``. Returns the values and one line per value chosen."""
+    out: dict[str, int] = {}
+    said: list[str] = []
+    seqs, tokens = block.max_num_seqs, block.max_num_batched_tokens
+    if tokens is None:
+        floor = seqs or 0
+        if block.enable_chunked_prefill is False:
+            floor = max(floor, max_len)
+        if floor > VLLM_MAX_NUM_BATCHED_TOKENS:
+            out["max_num_batched_tokens"] = floor
+            why = ("max_num_seqs" if floor == seqs else
+                   "max_model_len, chunked prefill being off")
+            said.append(f"engine.max_num_batched_tokens left out: {floor} chosen (vLLM's "
+                        f"default {VLLM_MAX_NUM_BATCHED_TOKENS} is below {why}, which vLLM "
+                        "refuses)")
+    elif seqs is None and tokens < VLLM_MAX_NUM_SEQS:
+        out["max_num_seqs"] = tokens
+        said.append(f"engine.max_num_seqs left out: {tokens} chosen (vLLM's default "
+                    f"{VLLM_MAX_NUM_SEQS} exceeds max_num_batched_tokens {tokens}, which vLLM "
+                    "refuses)")
+    return out, said
 
 
 ENGINE_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(EngineBlock)
-                               if f.name != "given"}
+                               if f.name not in ("given", "chosen")}
 SPECULATIVE_KEYS = tuple(f.name for f in fields(Speculative))
 GROUP_KEYS = tuple(f.name for f in fields(KvGroup))
-_TYPES = {f.name: f.metadata["types"] for f in fields(EngineBlock) if f.name != "given"}
+_TYPES = {f.name: f.metadata["types"] for f in fields(EngineBlock)
+          if f.name not in ("given", "chosen")}
 _INT_KEYS = ("block_size", "prefix_match_unit", "max_num_batched_tokens", "max_num_seqs",
-             "max_model_len", "num_gpu_blocks", "vocab_size", "long_prefill_token_threshold")
+             "max_model_len", "num_gpu_blocks", "vocab_size", "long_prefill_token_threshold",
+             "tensor_parallel_size", "decode_context_parallel_size")
 
 
 def _check_int(where: str, key: str, value: Any, *, minimum: int = 1) -> int:
@@ -243,7 +305,10 @@ def _speculative(where: str, spec: dict[str, Any]) -> Speculative:
     lookahead_off = spec.get("disable_lookahead_block_hashes", False)
     if not isinstance(lookahead_off, bool):
         raise TraceError(where, "engine.speculative.disable_lookahead_block_hashes must be a bool")
-    return Speculative(spec["method"], n, lookahead_off)
+    modules = _check_int(where, "speculative.mtp_modules", spec.get("mtp_modules", 1))
+    if "mtp_modules" in spec and spec["method"] != "mtp":
+        raise TraceError(where, "engine.speculative.mtp_modules only applies to method mtp")
+    return Speculative(spec["method"], n, lookahead_off, modules)
 
 
 def _choice(where: str, key: str, value: Any, known: tuple[str, ...], message: str) -> None:
@@ -274,6 +339,9 @@ def _build(where: str, raw: Any) -> EngineBlock:
         if k not in CONNECTOR_CONFIG_KEYS:
             raise TraceError(where, f"unknown key {k!r} in engine.connector_config "
                                     f"(known: {', '.join(CONNECTOR_CONFIG_KEYS)})")
+    if raw.get("tensor_parallel_size", 1) % raw.get("decode_context_parallel_size", 1):
+        raise TraceError(where, "engine.tensor_parallel_size must be a multiple of "
+                                "engine.decode_context_parallel_size")
     group_default = raw.get("block_size", DEFAULT_BLOCK_SIZE)
     given_groups, groups = _groups(where, raw.get("kv_groups", [{"kind": "full_attention"}]),
                                    group_default)

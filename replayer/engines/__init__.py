@@ -31,6 +31,24 @@ ADAPTERS: dict[str, str] = {
 }
 
 
+# release prefix -> store adapter module, for releases whose MooncakeStore API
+# the replay drives (0.29-0.31's differs: no store adapter yet).
+STORE_ADAPTERS: dict[str, str] = {
+    "0.32": "replayer.engines.mooncake_0_33",
+    "0.33": "replayer.engines.mooncake_0_33",
+}
+
+
+def check_connector(version: str, connector: str | None, label: str) -> None:
+    """Refuse a connector trace on a release no store adapter serves (no vLLM import)."""
+    if connector and not any(version == p or version.startswith(p + ".")
+                             for p in STORE_ADAPTERS):
+        served = ", ".join(f"{p}.x" for p in STORE_ADAPTERS)
+        raise UnsupportedByEngine(f"{label}: connector replay ({connector}) is not supported "
+                                  f"on vLLM {version} yet (its MooncakeStore API differs; "
+                                  f"replayed on {served})")
+
+
 def installed_vllm_version() -> str:
     try:
         return metadata.version("vllm")
@@ -92,9 +110,11 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
         # vLLM validates geometry with ValueError/AssertionError: say it in one line.
         raise EngineError(f"vLLM {version} cannot build this engine: {_first_line(exc)}") from exc
     adapter.info = info
+    # Defaults the replayer chose where vLLM's would be refused are said first.
+    adapter.notes = [*engine.chosen, *adapter.notes]
     return adapter
 
 
-__all__ = ["ADAPTERS", "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
+__all__ = ["ADAPTERS", "STORE_ADAPTERS", "check_connector", "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
            "PrefillOutcome", "StepResult", "UnsupportedByEngine", "installed_vllm_version",
            "open_engine", "supported_ranges"]

@@ -29,6 +29,7 @@ import time
 from concurrent.futures import Future
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +46,26 @@ from traces.engine_spec import RETAIN_DENSE, EngineBlock
 from .base import EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome, StepResult
 from .prefix_hashes import PrefixHashCache
 
-# The tiny model config directories vLLM reads (no hub): the target and its EAGLE draft.
+# The tiny model config directories vLLM reads (no hub): the target, its EAGLE
+# draft, and an MTP draft (MiMo's architecture, which vLLM turns into mimo_mtp).
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TARGET_MODEL = MODELS / "tiny-llama"
 DRAFT_MODEL = MODELS / "tiny-eagle"
+MTP_DRAFT_MODEL = MODELS / "tiny-mtp"
+
+
+def draft_model(method: str) -> Path:
+    """The draft config vLLM reads for ``method`` (it detects MTP from the config)."""
+    return MTP_DRAFT_MODEL if method == "mtp" else DRAFT_MODEL
+
+
+def set_mtp_modules(modules: int, hf_config: Any) -> Any:
+    """Target ``hf_overrides`` vLLM composes onto the draft's config: the MTP
+    draft's module count (``num_nextn_predict_layers``), which decides
+    multi-module MTP. Module-level for pickling, as vLLM asks."""
+    if getattr(hf_config, "model_type", None) == "mimo_mtp":
+        hf_config.update({"num_nextn_predict_layers": modules, "n_predict": modules})
+    return hf_config
 
 HEAD_SIZE = 4                 # of the largest-block attention group; others scale
 
@@ -186,14 +203,22 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     An adapter passes what its release has beyond the shared fields: its
     ``CacheConfig`` arguments (``cache_kwargs`` less what it lacks), extra
     ``SpeculativeConfig`` arguments, a ``KVTransferConfig``."""
-    model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
-                        max_model_len=engine.max_model_len, dtype="float16")
-    parallel = ParallelConfig(distributed_executor_backend=executor_cls)
-    speculative = None
     spec = engine.speculative
+    overrides = {}
+    if spec is not None and spec.method == "mtp":
+        # vLLM applies a target's callable hf_overrides to the draft's config too.
+        overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
+    model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
+                        max_model_len=engine.max_model_len, dtype="float16", **overrides)
+    # TP/DCP as the scheduler sees them (the null executor stands for every rank).
+    ranks = {k: getattr(engine, k) for k in ("tensor_parallel_size",
+                                              "decode_context_parallel_size")
+             if getattr(engine, k) != 1}
+    parallel = ParallelConfig(distributed_executor_backend=executor_cls, **ranks)
+    speculative = None
     if spec is not None:
         speculative = SpeculativeConfig(
-            method=spec.method, model=str(DRAFT_MODEL),
+            method=spec.method, model=str(draft_model(spec.method)),
             num_speculative_tokens=spec.num_speculative_tokens,
             target_model_config=model, target_parallel_config=parallel,
             **(speculative_args or {}))

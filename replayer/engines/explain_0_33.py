@@ -35,7 +35,11 @@ class GroupHits:
         self.coordinator = manager.coordinator
         groups = scheduler.kv_cache_config.kv_cache_groups
         self.kinds = [group_kind(g.kv_cache_spec) for g in groups]
-        self.eagle = [bool(g.is_eagle_group) for g in groups]
+        # What vLLM applies, not what the specs flag: the coordinator keeps the
+        # drop only without lookahead hashes, and flags every group when no
+        # group holds the draft's layers (``drop_eagle_group_ids``).
+        dropped = self.coordinator.drop_eagle_group_ids
+        self.eagle = [i in dropped for i in range(len(groups))]
         self.hits: dict[str, list[int]] = {}
         # (engine step, lookup number) of each request's last lookup: the order
         # in which requests could see each other's prefixes.

@@ -1,4 +1,12 @@
-"""The MooncakeStore connector inside a vLLM 0.33 replay: seams and wiring.
+"""The MooncakeStore connector inside a vLLM 0.32-0.33 replay: seams and wiring.
+
+The store adapter of the release range whose store API is 0.33's: 0.32's
+``mooncake/store`` differs from 0.33's only in a sliding-window coverage spec
+and a capacity-only consumer mode, neither of which the replay reaches
+(``kv_both``, no SWA group with MTP tail). 0.29's differs throughout (its
+scheduler, worker and coordinator were rewritten by 0.32), so 0.29-0.31 have
+no store adapter yet. :class:`StoreConnectorEngine` is the shared driver plus
+the connector; each release range's adapter builds its config and specs.
 
 What runs is vLLM's own connector code on both sides: the scheduler-side
 ``MooncakeStoreConnector`` (``get_num_new_matched_tokens``,
@@ -50,6 +58,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from traces.engine_spec import EngineBlock
 
 from ..store import StoreError, StoreSpec
+from .core_driver import CoreEngine, NullExecutor
 from ..store.master import MasterProcess, wait_reachable
 from ..store.memory import MemoryStore, ReplicateConfig
 from ..store.recording import RecordingStore
@@ -302,3 +311,79 @@ def _init_one_rank_world(vllm_config: VllmConfig, tmp: Path) -> None:
                 world_size=1, rank=0, local_rank=0, backend="gloo",
                 distributed_init_method=f"file://{tmp}/dist-init-{os.getpid()}")
         initialize_model_parallel(1, 1)
+
+
+class StoreAwareExecutor(NullExecutor):
+    """The null executor, plus the worker-side MooncakeStore connector when the
+    trace has one (created where a GPU worker creates it: on KV-cache init)."""
+
+    adapter: "StoreConnectorEngine"
+
+    def _rpc_initialize_from_config(self, kv_cache_configs: Any) -> None:
+        super()._rpc_initialize_from_config(kv_cache_configs)
+        session = self.adapter.session
+        if session is not None:
+            session.init_worker(self.vllm_config, kv_cache_configs[0],
+                                self.adapter.boundaries.get)
+
+
+class StoreConnectorEngine(CoreEngine):
+    """The shared driver, plus the MooncakeStore connector when the trace has one.
+
+    ``config`` must name :class:`StoreAwareExecutor` as its executor backend."""
+
+    def __init__(self, config: Any, layer_specs: dict[str, Any], version: str,
+                 engine: EngineBlock, store: StoreSpec | None = None) -> None:
+        self.session: StoreSession | None = None
+        # Block hash (hex) -> (token boundary, first request): names store keys.
+        self.boundaries: dict[str, tuple[int, str]] = {}
+        if engine.connector:
+            self.session = StoreSession(store or StoreSpec("memory"))
+        try:
+            super().__init__(config, layer_specs, version, executor_cls=StoreAwareExecutor)
+        except BaseException:
+            if self.session is not None:
+                self.session.close()
+            raise
+        self._hash_block_size = self.scheduler.kv_cache_config.hash_block_size or 1
+        if self.session is not None:
+            self.session.attach_scheduler(self.scheduler)
+
+    # -- hooks into the shared driver ------------------------------------
+    def _kv_output(self, scheduler_output):
+        if self.session is None:
+            return None
+        return self.session.execute(scheduler_output, self.config)
+
+    def _on_preprocessed(self, req, request) -> None:
+        if self.session is not None:
+            # Store keys name block hashes; remember which token boundary each
+            # ends at, and the first request that had that prefix.
+            hbs = self._hash_block_size
+            for i, h in enumerate(req.block_hashes):
+                self.boundaries.setdefault(bytes(h).hex(), ((i + 1) * hbs, request.id))
+
+    def _before_step(self) -> None:
+        if self.session is not None:
+            self.session.recorder.step = self._step
+
+    def _after_step(self) -> None:
+        if self.session is not None:
+            self.session.check()
+
+    def reset_prefix_cache(self) -> bool:
+        # The GPU-side cache only: the store keeps its keys, as in production.
+        return super().reset_prefix_cache()
+
+    def store_report(self) -> dict[str, Any] | None:
+        """Store operations recorded so far (None without a connector)."""
+        if self.session is None:
+            return None
+        ops = self.session.recorder.ops
+        return {"backend": self.session.spec.kind, "rows": list(ops.rows),
+                "lookups": list(ops.lookups), "seconds": self.session.recorder.seconds}
+
+    def close(self) -> None:
+        super().close()
+        if self.session is not None:
+            self.session.close()

