@@ -1,24 +1,31 @@
-"""Benchmark: replay the Mooncake conversation trace, against a bare scheduler loop.
+"""Benchmark: replay the Mooncake conversation trace step by step and fast.
 
 For each geometry (full attention at block 16; the hybrid #51295 geometry) and
 each slice (first 1,000 requests; the whole 12,031), it runs
 
-* the replayer exactly as ``replayer run`` does (start-up included), and
-* a bare loop: the same vLLM build, then nothing but ``Request`` creation,
-  ``schedule``, a fixed model output and ``update_from_output``,
+* ``step-by-step``: the replayer as ``replayer run --no-shortcuts`` does (every
+  request on vLLM's plain path), start-up included;
+* ``fast``: the replayer as ``replayer run`` does (with its shortcuts);
+* with ``--bare``, also a bare loop: the same vLLM build, then nothing but
+  ``Request`` creation, ``schedule``, a fixed model output and
+  ``update_from_output`` (the floor for the harness's own overhead),
 
 and prints wall seconds, speed-up over the trace's real time, steps, seconds
 inside vLLM's ``schedule``/``update_from_output``, the harness's own seconds and
-its ratio to vLLM's, peak RSS and the hit rate. Each measurement runs in a
-fresh process so start-up and peak RSS are honest.
+its ratio to vLLM's, peak RSS and the hit rate; then the fast / step-by-step
+wall ratio and whether both wrote the same ``--json`` bytes ("identical: yes").
+Each measurement runs in a fresh process so start-up and peak RSS are honest.
 
     python benchmarks/replay_conversation.py            # everything (~15 min)
     python benchmarks/replay_conversation.py --quick    # first 1,000 requests only
+
+``MOONCAKE_TRACE`` names the source JSONL if it is not in ``../shared/traces``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -31,6 +38,8 @@ from pathlib import Path
 import public_trace  # noqa: E402  (benchmarks/, first on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
+# Default source for the day and quiet-step scripts (the CLI here takes --trace).
+SOURCE = Path(os.environ.get(public_trace.ENV) or public_trace.BESIDE_CHECKOUT)
 
 KV_TOKENS = 2 * 1024 * 1024
 GEOMETRIES = {
@@ -51,6 +60,10 @@ GEOMETRIES = {
 }
 
 
+# Replayer modes: name -> shortcuts on.
+MODES = {"step-by-step": False, "fast": True}
+
+
 def _child(mode: str, trace_dir: str) -> dict:
     """Run one measurement in this (fresh) process and return its figures."""
     t0 = time.perf_counter()
@@ -62,8 +75,12 @@ def _child(mode: str, trace_dir: str) -> dict:
     from replayer.runner import replay_on
 
     trace = read_trace(trace_dir)
-    if mode == "replayer":
-        result = replay_on(trace)
+    digest = None
+    if mode in MODES:
+        from replayer.report import dumps
+
+        result = replay_on(trace, shortcuts=MODES[mode])
+        digest = hashlib.sha256(dumps(result).encode()).hexdigest()
         s = result.summary()
         vllm_s = result.timings["vllm_s"]
         steps = s["steps"]
@@ -74,9 +91,10 @@ def _child(mode: str, trace_dir: str) -> dict:
 
         steps, hit_rate, vllm_s, startup = bare_loop(trace)
     wall = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"wall_s": wall, "vllm_s": vllm_s, "steps": steps, "hit_rate": hit_rate,
-            "peak_rss_mb": rss, "startup_s": startup}
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    rss = use.ru_maxrss / 1024
+    return {"wall_s": wall, "cpu_s": use.ru_utime + use.ru_stime, "vllm_s": vllm_s, "steps": steps, "hit_rate": hit_rate,
+            "peak_rss_mb": rss, "startup_s": startup, "json_sha256": digest}
 
 
 def _measure(mode: str, trace_dir: Path) -> dict:
@@ -93,6 +111,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="first 1,000 requests only")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append")
+    ap.add_argument("--bare", action="store_true", help="also run the bare scheduler loop")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     public_trace.add_argument(ap)
     args = ap.parse_args()
@@ -106,8 +125,9 @@ def main() -> None:
 
     slices = [1000] if args.quick else [1000, None]
     work = Path(tempfile.mkdtemp(prefix="replayer-bench-"))
-    print(f"{'geometry':<27} {'requests':>8} {'mode':<9} {'wall s':>7} {'x real':>7} "
-          f"{'steps':>7} {'vllm s':>7} {'harness s':>9} {'ratio':>6} {'rss MB':>7} {'hit':>6}")
+    print(f"{'geometry':<27} {'requests':>8} {'mode':<12} {'wall s':>7} {'x real':>7} "
+          f"{'cpu s':>7} {'steps':>7} {'vllm s':>7} {'harness s':>9} {'ratio':>6} {'rss MB':>7} "
+          f"{'hit':>6}")
     for name in args.geometry or list(GEOMETRIES):
         for limit in slices:
             trace = import_mooncake(source, limit=limit, engine=GEOMETRIES[name])
@@ -115,19 +135,26 @@ def main() -> None:
             ms = trace.requests["arrival_ms"].to_pylist()
             real_s = (ms[-1] - ms[0]) / 1000 or 1.0
             rows = {}
-            for mode in ("bare", "replayer"):
+            for mode in (["bare"] if args.bare else []) + list(MODES):
                 r = _measure(mode, tdir)
                 rows[mode] = r
                 harness = r["wall_s"] - r["vllm_s"]
-                print(f"{name:<27} {trace.requests.num_rows:>8} {mode:<9} {r['wall_s']:>7.1f} "
-                      f"{real_s / r['wall_s']:>7.1f} {r['steps']:>7} {r['vllm_s']:>7.1f} "
+                print(f"{name:<27} {trace.requests.num_rows:>8} {mode:<12} {r['wall_s']:>7.1f} "
+                      f"{real_s / r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['steps']:>7} "
+                      f"{r['vllm_s']:>7.1f} "
                       f"{harness:>9.1f} {harness / r['vllm_s']:>6.2f} {r['peak_rss_mb']:>7.0f} "
                       f"{r['hit_rate']:>6.1%}", flush=True)
-            b, p = rows["bare"], rows["replayer"]
-            print(f"{'':<27} replayer / bare wall = {p['wall_s'] / b['wall_s']:.3f} "
-                  f"(target <= 1.15); outside-vLLM overhead vs vLLM = "
-                  f"{(p['wall_s'] - p['vllm_s']) / p['vllm_s']:.1%}; same hit rate: "
-                  f"{p['hit_rate'] == b['hit_rate']}", flush=True)
+            slow, fast = rows["step-by-step"], rows["fast"]
+            same = fast["json_sha256"] == slow["json_sha256"]
+            print(f"{'':<27} step-by-step {slow['wall_s']:.1f} s, fast {fast['wall_s']:.1f} s, "
+                  f"fast / step-by-step = {fast['wall_s'] / slow['wall_s']:.3f} "
+                  f"(CPU {fast['cpu_s'] / slow['cpu_s']:.3f}), "
+                  f"{real_s / fast['wall_s']:.1f}x real time, peak RSS "
+                  f"{fast['peak_rss_mb']:.0f} MB; identical: {'yes' if same else 'NO'}",
+                  flush=True)
+            if "bare" in rows:
+                print(f"{'':<27} fast / bare wall = {fast['wall_s'] / rows['bare']['wall_s']:.3f}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--engine", default="installed", metavar="SPEC", help=ENGINE_HELP)
         sp.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
         sp.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+        sp.add_argument("--no-shortcuts", action="store_true",
+                        help="no speed shortcuts (reused prefix hashes): every request takes "
+                             "vLLM's plain path; the output is the same, only slower")
         sp.add_argument("--store", default="memory", metavar="BACKEND",
                         help="store for a trace with a connector: memory (default), mooncake "
                              "(starts a mooncake_master on loopback) or mooncake://HOST:PORT")
@@ -231,7 +234,9 @@ def _replay(target, args, run):
         wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
-        result = run(target, progress=bar, store=store)
+        # Only said when off, so runners that predate the option keep working.
+        extra = {"shortcuts": False} if getattr(args, "no_shortcuts", False) else {}
+        result = run(target, progress=bar, store=store, **extra)
     except EngineError as exc:
         if BUILD_FAILED in str(exc) and target.path is not None:   # name the file it came from
             raise TraceError(target.path, str(exc)) from None

@@ -42,6 +42,7 @@ def serve(answer_fd: int) -> int:
             return 0
         try:
             result = replay_here(job.trace, engine, store=job.store, record_dir=job.record_dir,
+                                 shortcuts=job.shortcuts,
                                  progress=lambda p: send(answers, ("progress", p)))
             send(answers, ("result", result))
         except bad_input as exc:

@@ -53,6 +53,7 @@ class Job:
     trace: Trace
     store: Any = None
     record_dir: str | None = None
+    shortcuts: bool = True
 
 
 def send(stream: BinaryIO, obj: Any) -> None:
@@ -132,14 +133,14 @@ class EngineProcess:
         send(self._proc.stdin, self.engine)
 
     def replay(self, trace: Trace, progress: Callable[[Any], None] | None = None,
-               store: Any = None, record_dir: str | None = None):
+               store: Any = None, record_dir: str | None = None, shortcuts: bool = True):
         """Replay ``trace`` in the child; same result and errors as in this process."""
         check_connector(self.info.vllm, trace.engine.connector, self.info.label)
         if self._proc is None or self._proc.stdin is None:
             raise EngineError(f"{self.info.label}: the engine process is closed")
         try:
             send(self._proc.stdin, Job(trace, store, None if record_dir is None
-                                       else str(record_dir)))
+                                       else str(record_dir), shortcuts))
         except BrokenPipeError:
             pass                                    # reported below, with the exit code
         while True:

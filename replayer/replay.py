@@ -11,8 +11,11 @@ anything is scheduled for, so idle time costs nothing.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
 
 from traces import Trace
 from traces.materialize import TokenSource, request_rows
@@ -62,14 +65,22 @@ class ReplayResult:
     notes: list[str] = field(default_factory=list)
     # Timings: never part of the deterministic output.
     timings: dict[str, float] = field(default_factory=dict)
+    # When the outcomes went to a sink instead of ``requests``: their totals
+    # (requests, prompt_tokens, cached_tokens), which the summary then reads.
+    streamed: dict[str, int] | None = None
 
     def by_id(self) -> dict[str, RequestOutcome]:
         return {r.id: r for r in self.requests}
 
     def summary(self) -> dict[str, Any]:
-        prompt = sum(r.num_prompt_tokens for r in self.requests)
-        cached = sum(r.num_cached_tokens or 0 for r in self.requests)
-        return {"requests": len(self.requests), "prompt_tokens": prompt,
+        if self.streamed is not None:
+            count, prompt, cached = (self.streamed[k] for k in
+                                     ("requests", "prompt_tokens", "cached_tokens"))
+        else:
+            count = len(self.requests)
+            prompt = sum(r.num_prompt_tokens for r in self.requests)
+            cached = sum(r.num_cached_tokens or 0 for r in self.requests)
+        return {"requests": count, "prompt_tokens": prompt,
                 "cached_tokens": cached,
                 "hit_rate": round(cached / prompt, 6) if prompt else 0.0,
                 "steps": self.steps}
@@ -120,9 +131,20 @@ def refuse_unsupported(trace: Trace) -> None:
 
 
 def replay(trace: Trace, engine: EngineAdapter,
-           progress: Callable[[Progress], None] | None = None) -> ReplayResult:
+           progress: Callable[[Progress], None] | None = None,
+           shortcuts: bool = True,
+           sink: Callable[[RequestOutcome], None] | None = None) -> ReplayResult:
     """Replay ``trace`` on ``engine`` (open, built for this trace) and collect what
-    vLLM reported for every request. The caller owns the engine and closes it."""
+    vLLM reported for every request. The caller owns the engine and closes it.
+
+    ``shortcuts`` lets the engine skip work whose result it provably knows
+    (prefix block hashes of repeated trace blocks); off, every request takes
+    vLLM's plain path: the reference a shortcut must equal byte for byte.
+
+    ``sink``, if given, receives each outcome in arrival order as soon as it and
+    every earlier arrival have finished, and the result keeps none of them (only
+    their totals, for the summary): memory then follows the live requests, not
+    the trace length."""
     t_start = time.perf_counter()
     refuse_unsupported(trace)
     rows = request_rows(trace.requests)
@@ -131,25 +153,49 @@ def replay(trace: Trace, engine: EngineAdapter,
     accepted = recorded_accepted(trace)
     if accepted:
         engine.hold_accepted(accepted)
-    schedule = Schedule(rows.arrival_step, rows.after,
-                        trace.events.to_pylist() if trace.events is not None else ())
+    events = trace.events.to_pylist() if trace.events is not None else []
+    schedule = Schedule(rows.arrival_step, rows.after, events)
     n = len(rows.ids)
-    index = {rid: i for i, rid in enumerate(rows.ids)}
-    results: list[RequestOutcome | None] = [None] * n
+    # Rows of the requests events name (abort targets), found once.
+    targets = {ev.get("target") for ev in events} - {None}
+    target_row = {rid: i for i, rid in enumerate(rows.ids) if rid in targets} if targets else {}
+    arrived = np.zeros(n, dtype=bool)
+    live: dict[str, int] = {}                         # arrived, not finished: id -> row
+    pending: dict[int, RequestOutcome] = {}          # arrived, not yet handed on: row -> outcome
+    order: deque[int] = deque()                       # rows of pending, in arrival order
+    kept: list[RequestOutcome] = []
+    totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}   # of handed-on outcomes
     finished_engine_step: dict[str, int] = {}
-    order: list[int] = []
     clock = steps_run = idle = done = prompt_done = cached_done = 0
 
     def add(i: int) -> None:
         prompt = tokens.prompt(i)
+        blocks = tokens.prompt_blocks(i) if shortcuts else None
+        rid = rows.ids[i]
+        output_len = rows.output_len[i]
         engine.add_request(EngineRequest(
-            id=rows.ids[i], prompt_tokens=prompt.tolist(),
-            output_tokens=tokens.output(i, rows.output_len[i], n_spec + 1).tolist(),
-            output_len=rows.output_len[i], cache_salt=rows.cache_salt[i],
-            priority=rows.priority[i] or 0))
+            id=rid, prompt_tokens=prompt.tolist(),
+            output_tokens=tokens.output(i, output_len, n_spec + 1).tolist(),
+            output_len=output_len, cache_salt=rows.cache_salt[i],
+            priority=rows.priority[i] or 0,
+            prompt_block_ids=blocks[0] if blocks else None,
+            prompt_block_tokens=blocks[1] if blocks else 0))
+        arrived[i] = True
+        live[rid] = i
         order.append(i)
-        results[i] = RequestOutcome(id=rows.ids[i], arrival_step=clock,
-                                    num_prompt_tokens=len(prompt))
+        pending[i] = RequestOutcome(id=rid, arrival_step=clock, num_prompt_tokens=len(prompt))
+
+    def hand_on() -> None:
+        """Outcomes at the front of arrival order that are complete, to the sink."""
+        while order and pending[order[0]].finish_step is not None:
+            out = pending.pop(order.popleft())
+            totals["requests"] += 1
+            totals["prompt_tokens"] += out.num_prompt_tokens
+            totals["cached_tokens"] += out.num_cached_tokens or 0
+            if sink is None:
+                kept.append(out)
+            else:
+                sink(out)
 
     def run_event(ev: Event) -> None:
         if ev.action == "reset_prefix_cache":
@@ -157,12 +203,14 @@ def replay(trace: Trace, engine: EngineAdapter,
                 raise ReplayError(f"event reset_prefix_cache ({ev.why}) failed at step {clock}: "
                                   "running requests still hold KV blocks")
         elif ev.action == "abort":
-            res = results[index[ev.target]]
-            if res is None:
+            row = target_row[ev.target]
+            if not arrived[row]:
                 raise ReplayError(f"event abort ({ev.why}) at step {clock}: request "
                                   f"{ev.target!r} has not arrived yet")
-            if res.finish_step is None:
+            if ev.target in live:
                 engine.abort(ev.target)
+                del live[ev.target]
+                res = pending[row]
                 res.aborted = True
                 res.finish_step = clock
         else:  # validated when the trace was read
@@ -174,6 +222,7 @@ def replay(trace: Trace, engine: EngineAdapter,
         for i in schedule.arrivals_due(clock):
             add(i)
         if not engine.has_unfinished():
+            hand_on()
             nxt = schedule.next_point()
             if nxt is None:
                 break
@@ -184,12 +233,15 @@ def replay(trace: Trace, engine: EngineAdapter,
         steps_run += 1
         idle = 0 if res.executed else idle + 1
         if idle >= MAX_IDLE_STEPS:
-            waiting = [rows.ids[i] for i in order if results[i].finish_step is None]
+            waiting = [pending[i].id for i in order if pending[i].finish_step is None]
             raise ReplayError(f"no progress for {MAX_IDLE_STEPS} steps at step {clock}: "
                               f"requests {waiting[:5]} can never be scheduled "
                               "(do they fit num_gpu_blocks and max_model_len?)")
         for p in res.prefills:
-            r = results[index[p.id]]
+            row = live.get(p.id)
+            if row is None:
+                continue
+            r = pending[row]
             if r.num_cached_tokens is None:
                 r.num_cached_tokens = p.num_cached_tokens
                 r.num_local_cached_tokens = p.num_local_cached_tokens
@@ -198,27 +250,34 @@ def replay(trace: Trace, engine: EngineAdapter,
                 if p.group_hits is not None:
                     r.group_hits = list(p.group_hits)
         for rid in res.finished:
-            r = results[index[rid]]
+            row = live.pop(rid, None)
+            if row is None:         # aborted by an event already
+                continue
+            r = pending[row]
             if r.finish_step is None:
                 r.finish_step = clock - 1
                 finished_engine_step[rid] = steps_run
             done += 1
             prompt_done += r.num_prompt_tokens
             cached_done += r.num_cached_tokens or 0
-            events, followers = schedule.after(rid)
-            for ev in events:
+            events_after, followers = schedule.after(rid)
+            for ev in events_after:
                 run_event(ev)
             for j in followers:
                 add(j)
+        if res.finished:
+            hand_on()
         if progress is not None:
             progress(Progress(done, n, steps_run, prompt_done, cached_done))
-    unfinished = [rows.ids[i] for i in range(n) if results[i] is None]
-    if unfinished:
-        raise ReplayError(f"requests never arrived: {unfinished[:5]} (an 'after' chain that "
+    if not arrived.all():
+        unfinished = [rows.ids[int(i)] for i in np.flatnonzero(~arrived)[:5]]
+        raise ReplayError(f"requests never arrived: {unfinished} (an 'after' chain that "
                           "never completes?)")
-    return ReplayResult(engine=engine.info, requests=[results[i] for i in order],
+    hand_on()
+    return ReplayResult(engine=engine.info, requests=kept,
                         steps=steps_run, store=engine.store_report(),
                         kv_groups=engine.kv_groups(), notes=list(engine.notes),
+                        streamed=None if sink is None else totals,
                         hit_alignment=engine.hit_alignment(), lookups=engine.lookups(),
                         finished_engine_step=finished_engine_step,
                         timings={"loop_s": time.perf_counter() - t_start,

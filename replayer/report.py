@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import IO, Any, Iterable
 
 from traces.engine_spec import EngineBlock
 from traces.golden_kind import label
@@ -121,6 +121,36 @@ def explain_groups(request: RequestOutcome | None,
 def dumps(result: ReplayResult) -> str:
     """The deterministic JSON form (no timings): byte-identical across runs."""
     return json.dumps(result.as_dict(), indent=2) + "\n"
+
+
+def _nested(value: Any, level: int) -> str:
+    """``value`` as ``json.dumps(indent=2)`` writes it ``level`` levels deep."""
+    return json.dumps(value, indent=2).replace("\n", "\n" + "  " * level)
+
+
+class JsonStream:
+    """Writes :func:`dumps`'s bytes as the replay goes, so they are never all in memory.
+
+    Pass it as :func:`replayer.replay.replay`'s ``sink`` (requests are written
+    as they are handed on, in arrival order), then :meth:`finish` with the
+    result for the rest."""
+
+    def __init__(self, out: IO[str], engine: Any) -> None:
+        self.out = out
+        self.empty = True
+        out.write('{\n  "engine": ' + _nested(engine.as_dict(), 1) + ',\n  "requests": [')
+
+    def __call__(self, outcome: RequestOutcome) -> None:
+        self.out.write(("\n    " if self.empty else ",\n    ") + _nested(outcome.as_dict(), 2))
+        self.empty = False
+
+    def finish(self, result: ReplayResult) -> None:
+        rest = result.as_dict()
+        del rest["engine"], rest["requests"]
+        self.out.write("]" if self.empty else "\n  ]")
+        for key, value in rest.items():
+            self.out.write(f",\n  {json.dumps(key)}: " + _nested(value, 1))
+        self.out.write("\n}\n")
 
 
 def lines(items: Iterable[str]) -> str:

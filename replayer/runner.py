@@ -48,12 +48,12 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
 
 def replay_here(trace: Trace, spec: Spec = INSTALLED, *,
                 progress: Callable[[Progress], None] | None = None, store: Any = None,
-                record_dir: str | None = None) -> ReplayResult:
+                record_dir: str | None = None, shortcuts: bool = True) -> ReplayResult:
     """Build ``trace``'s engine in this process, replay it, close it."""
     t_start = time.perf_counter()
     with engine_here(trace, spec, store=store, record_dir=record_dir) as adapter:
         t_ready = time.perf_counter()
-        result = replay(trace, adapter, progress=progress)
+        result = replay(trace, adapter, progress=progress, shortcuts=shortcuts)
     result.timings.update(startup_s=t_ready - t_start, wall_s=time.perf_counter() - t_start)
     return result
 
@@ -61,7 +61,7 @@ def replay_here(trace: Trace, spec: Spec = INSTALLED, *,
 @contextmanager
 def engine_runner(spec: Spec = INSTALLED, *, own_process: bool = False,
                   env_defaults: dict[str, str] | None = None) -> Iterator[Runner]:
-    """A function ``run(trace, progress=, store=, record_dir=)`` replaying on ``spec``:
+    """A function ``run(trace, progress=, store=, record_dir=, shortcuts=)`` replaying on ``spec``:
     in this process for the installed vLLM, else in one child process kept for
     every call until the ``with`` block ends.
 

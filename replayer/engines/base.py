@@ -35,6 +35,10 @@ class EngineRequest:
     output_len: int
     cache_salt: str | None = None
     priority: int = 0               # under scheduling_policy: priority (lower first)
+    # The trace block ids the prompt was made of and tokens per block (None:
+    # explicit tokens, or shortcuts off); lets the engine reuse prefix hashes.
+    prompt_block_ids: list[int] | None = None
+    prompt_block_tokens: int = 0
 
 
 @dataclass(frozen=True)

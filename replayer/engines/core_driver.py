@@ -44,6 +44,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunne
 from traces.engine_spec import RETAIN_DENSE, EngineBlock
 
 from .base import EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome, StepResult
+from .prefix_hashes import PrefixHashCache
 
 # The tiny model config directories vLLM reads (no hub): the target, its EAGLE
 # draft, and an MTP draft (MiMo's architecture, which vLLM turns into mimo_mtp).
@@ -316,6 +317,8 @@ class CoreEngine(EngineAdapter):
         self.scheduler.update_from_output = self._update  # type: ignore[method-assign]
         self.num_spec = config.num_speculative_tokens if config.speculative_config else 0
         self._outputs: dict[str, list[int]] = {}  # request id -> output tokens
+        # In front of vLLM's request block hasher where an adapter installs it.
+        self.prefix_hashes: PrefixHashCache | None = None
         self._sampled: list[str] = []
 
     # -- hooks for adapters that add to a step (no-ops here) --------------
@@ -390,6 +393,9 @@ class CoreEngine(EngineAdapter):
             request_id=request.id, prompt_token_ids=request.prompt_tokens, mm_features=None,
             sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
             cache_salt=request.cache_salt, data_parallel_rank=None, priority=request.priority)
+        if self.prefix_hashes is not None and request.prompt_block_ids is not None:
+            self.prefix_hashes.expect(request.id, request.prompt_block_ids,
+                                      request.prompt_block_tokens)
         req, wave = self.core.preprocess_add_request(ecr)
         self._on_preprocessed(req, request)
         self.core.add_request(req, wave)

@@ -31,6 +31,7 @@ from traces.engine_spec import EngineBlock
 
 from .core_driver import LayerPlan, build_config, plan_layers
 from .mooncake_0_33 import StoreAwareExecutor, StoreConnectorEngine, kv_transfer_config
+from .prefix_hashes import PrefixHashCache
 
 
 VERSIONS = ("0.33",)          # release range this adapter serves
@@ -84,6 +85,14 @@ class Vllm033Engine(StoreConnectorEngine):
 
             install_recorder(config, record_dir)
         super().__init__(config, layer_specs(engine), version, engine, store)
+        if self.core.request_block_hasher is not None:
+            # Hashes of repeated trace-block chains, bounded by 4x the KV cache's tokens.
+            hbs = self.scheduler.kv_cache_config.hash_block_size or 1
+            kv_tokens = self.scheduler.kv_cache_config.num_blocks * config.cache_config.block_size
+            self.prefix_hashes = PrefixHashCache(
+                self.core.request_block_hasher, hbs, config.num_hash_lookahead_tokens,
+                4 * kv_tokens // hbs)
+            self.core.request_block_hasher = self.prefix_hashes
         from .explain_0_33 import GroupHits
 
         self.group_hits = GroupHits(self.scheduler, step=lambda: self._step)

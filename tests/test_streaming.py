@@ -1,0 +1,40 @@
+"""A replay that hands its outcomes on as they complete (``sink``) and writes
+``--json`` as it goes (:class:`replayer.report.JsonStream`) writes the same
+bytes as one that keeps every outcome, and keeps none itself."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from conftest import SCENARIOS, STORE_SCENARIOS, TRACES
+from replayer.replay import replay
+from replayer.report import JsonStream, dumps
+from replayer.runner import engine_here
+from traces import load_target
+
+TARGETS = [TRACES / "conversation_500", SCENARIOS / "reset_prefix_cache.yaml",
+           SCENARIOS / "shared_system_prompt_hybrid.yaml",
+           STORE_SCENARIOS / "shared_prefix_junction.yaml"]
+
+
+@pytest.mark.parametrize("path", TARGETS, ids=lambda p: p.name)
+def test_streamed_json_is_the_same_bytes(path):
+    trace = load_target(path)
+    with engine_here(trace) as adapter:
+        whole = dumps(replay(trace, adapter))
+    out = io.StringIO()
+    seen = []
+    with engine_here(trace) as adapter:
+        stream = JsonStream(out, adapter.info)
+
+        def sink(outcome):
+            seen.append(outcome.id)
+            stream(outcome)
+
+        result = replay(trace, adapter, sink=sink)
+        stream.finish(result)
+    assert result.requests == []
+    assert result.summary()["requests"] == len(seen) == trace.requests.num_rows
+    assert out.getvalue() == whole
