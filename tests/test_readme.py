@@ -40,7 +40,7 @@ from helpers_traces import REPO
 README = REPO / "README.md"
 MARKER = re.compile(r"<!--\s*readme-test:\s*(.*?)\s*-->")
 FETCH_LINE = re.compile(r"^replayer: fetching vllm==\S+: ")
-COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "*.egg-info")
+COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".venv-*", "__pycache__", ".pytest_cache", "*.egg-info")
 
 
 @dataclass
