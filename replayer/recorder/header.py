@@ -75,6 +75,9 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
     spec = vllm_config.speculative_config
     if spec is not None and spec.num_speculative_tokens:
         block["speculative"] = adapter.speculative_block(spec)
+        modules = mtp_modules(spec)
+        if modules is not None and modules != 1:
+            block["speculative"]["mtp_modules"] = modules
     ktc = vllm_config.kv_transfer_config
     if ktc is not None and ktc.kv_connector in CONNECTORS:
         block["connector"] = CONNECTORS[ktc.kv_connector]
@@ -127,3 +130,14 @@ def recorded_header(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> dic
     engine = engine_block(vllm_config, kv_cache_config, adapter)
     return {"schema_version": schema.SCHEMA_VERSION, "engine": engine.to_header(),
             "source": source}
+
+
+def mtp_modules(spec: Any) -> int | None:
+    """An MTP draft's module count (its ``num_nextn_predict_layers``), which decides
+    multi-module MTP; None for other methods."""
+    if str(spec.method) != "mtp":
+        return None
+    draft = getattr(spec, "draft_model_config", None)
+    hf = getattr(draft, "hf_config", None)
+    n = getattr(hf, "num_nextn_predict_layers", None)
+    return int(n) if n else None
