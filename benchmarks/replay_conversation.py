@@ -64,13 +64,18 @@ GEOMETRIES = {
 MODES = {"step-by-step": False, "fast": True}
 
 
-def _child(mode: str, trace_dir: str) -> dict:
-    """Run one measurement in this (fresh) process and return its figures."""
-    t0 = time.perf_counter()
+def quiet_child() -> None:
+    """A measuring child: vLLM and torch quiet, no hub, this checkout importable."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TORCH_LOGS", "-torch")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
+
+
+def _child(mode: str, trace_dir: str) -> dict:
+    """Run one measurement in this (fresh) process and return its figures."""
+    t0 = time.perf_counter()
+    quiet_child()
     from traces import read_trace
     from replayer.runner import replay_on
 

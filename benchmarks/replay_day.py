@@ -27,15 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from day_trace import HOUR_MS, write_day  # noqa: E402
-from replay_conversation import GEOMETRIES  # noqa: E402
+from replay_conversation import GEOMETRIES, quiet_child  # noqa: E402
 
 
 def _child(mode: str, trace_dir: str) -> dict:
     t0 = time.perf_counter()
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("TORCH_LOGS", "-torch")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(ROOT))
+    quiet_child()
     from traces import read_trace
 
     trace = read_trace(trace_dir)
