@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, Callable
 from traces import Trace
 
 from .determinism import INTERPRETER_SEED
-from .engines import EngineError, UnsupportedByEngine, check_connector
+from .engines import EngineError, UnsupportedByEngine, check_supported
 from .engines.specs import ResolvedEngine
 from .replay import ReplayError
 
@@ -135,7 +135,7 @@ class EngineProcess:
     def replay(self, trace: Trace, progress: Callable[[Any], None] | None = None,
                store: Any = None, record_dir: str | None = None, shortcuts: bool = True):
         """Replay ``trace`` in the child; same result and errors as in this process."""
-        check_connector(self.info.vllm, trace.engine.connector, self.info.label)
+        check_supported(self.info.vllm, trace.engine, self.info.label)
         if self._proc is None or self._proc.stdin is None:
             raise EngineError(f"{self.info.label}: the engine process is closed")
         try:

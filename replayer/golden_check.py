@@ -69,8 +69,18 @@ def has_goldens(trace: Trace, key: str) -> bool:
 def said_before_replay(spec: Any, trace: Trace) -> bool:
     """Whether "no goldens" may be said of ``trace`` before any replay: not when the
     engine will refuse it anyway (connector replay on a release or tree, refused by
-    :class:`replayer.engine_process.EngineProcess`, which ``check`` reports as SKIP)."""
-    return spec.kind == "installed" or not trace.engine.connector
+    :class:`replayer.engine_process.EngineProcess`, which ``check`` reports as SKIP;
+    nor when the release lacks a setting the trace needs, see
+    :func:`replayer.engines.check_supported`)."""
+    from .engines import UnsupportedByEngine, check_supported, installed_vllm_version
+
+    if spec.kind != "installed" and trace.engine.connector:
+        return False
+    try:
+        check_supported(spec.version or installed_vllm_version(), trace.engine, spec.text)
+    except UnsupportedByEngine:
+        return False
+    return True
 
 
 def no_goldens(path: Path | str, key: str) -> list[str]:

@@ -26,14 +26,17 @@ from typing import Any, Mapping
 from .errors import TraceError
 from .limits import check_engine_bounds, check_int
 
-GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla")
+GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla", "chunked_local")
+# Kinds a draft model's attention layer can join (never a Mamba group).
+DRAFT_GROUP_KINDS = ("full_attention", "mla", "sliding_window", "chunked_local")
 CONNECTORS = ("mooncake_store",)
 # MooncakeStoreConnector's kv_connector_extra_config keys the replay honours.
 CONNECTOR_CONFIG_KEYS = ("load_async", "lookup_async", "save_decode_cache", "enable_lookup",
                          "cache_prefix", "enable_group_semantics")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp")
-MAMBA_CACHE_MODES = ("align", "none")
+# "all" (cache every block's state) is 0.29-0.31's; 0.32 removed it.
+MAMBA_CACHE_MODES = ("align", "none", "all")
 
 DEFAULT_BLOCK_SIZE = 16       # CacheConfig.DEFAULT_BLOCK_SIZE in every release served
 DEFAULT_VOCAB_SIZE = 32000
@@ -50,11 +53,15 @@ def _doc(text: str, *types: type, vllm_default: bool = False) -> dict[str, Any]:
 class KvGroup:
     """One KV-cache group the null model declares."""
 
-    kind: str = field(metadata=_doc("full_attention | mamba | sliding_window | mla", str))
+    kind: str = field(metadata=_doc(
+        "full_attention | mamba | sliding_window | mla | chunked_local", str))
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata=_doc(
         "tokens per block; omitted: the engine's block_size (16 when that is omitted)", int))
     sliding_window: int | None = field(default=None, metadata=_doc(
         "window in tokens (kind sliding_window only)", int))
+    attention_chunk_size: int | None = field(default=None, metadata=_doc(
+        "chunk in tokens (kind chunked_local only; vLLM's ChunkedLocalAttentionSpec field): "
+        "a token attends only to tokens of its own chunk", int))
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,10 @@ class Speculative:
         "method mtp only: the draft's MTP modules (num_nextn_predict_layers); above 1 with "
         "num_speculative_tokens > 1 it is multi-module MTP, which reads "
         "num_speculative_tokens prefill tokens ahead (1 otherwise)", int))
+    draft_group: int | None = field(default=None, metadata=_doc(
+        "index into kv_groups of the group whose spec the draft model's attention layer "
+        "shares, so vLLM 0.33 marks that group the EAGLE group (is_draft); None: the first "
+        "full_attention or mla group", int))
 
 
 @dataclass(frozen=True)
@@ -90,7 +101,8 @@ class EngineBlock:
         "Mamba/SWA checkpoint interval; a given null is RETAIN_DENSE; None: vLLM's default",
         int, type(None), vllm_default=True))
     mamba_cache_mode: str = field(default="align", metadata=_doc(
-        "'align' (default) or 'none'; applies with a Mamba group", str))
+        "'align' (default), 'none', or 'all' (vLLM 0.29-0.31 only: every block's state "
+        "is cached); applies with a Mamba group", str))
     enable_mamba_shared_prefix_checkpoint: bool | None = field(default=None, metadata=_doc(
         "CacheConfig flag of the same name; None: vLLM's default (off)", bool,
         vllm_default=True))
@@ -278,20 +290,26 @@ def _groups(where: str, raw: list[Any], default_size: int) -> tuple[list[dict], 
         elif "sliding_window" in g:
             raise TraceError(where, f"engine.kv_groups[{i}]: sliding_window only applies "
                                     f"to kind sliding_window")
+        chunk = None
+        if kind == "chunked_local":
+            chunk = _check_int(where, f"kv_groups[{i}].attention_chunk_size",
+                               g.get("attention_chunk_size"))
+        elif "attention_chunk_size" in g:
+            raise TraceError(where, f"engine.kv_groups[{i}]: attention_chunk_size only applies "
+                                    f"to kind chunked_local")
         if "block_size" in g:
             _check_int(where, f"kv_groups[{i}].block_size", g["block_size"])
         given.append(dict(g))
-        groups.append(KvGroup(kind, int(g.get("block_size", default_size)), window))
+        groups.append(KvGroup(kind, int(g.get("block_size", default_size)), window, chunk))
     kinds = [g.kind for g in groups]
-    if "mla" in kinds and len(set(kinds)) > 1:
-        raise TraceError(where, "engine.kv_groups: an mla group cannot be mixed with other kinds")
     if all(k == "mamba" for k in kinds):
         raise TraceError(where, "engine.kv_groups: a model needs at least one attention group "
                                 "beside mamba")
     return given, tuple(groups)
 
 
-def _speculative(where: str, spec: dict[str, Any]) -> Speculative:
+def _speculative(where: str, spec: dict[str, Any],
+                 groups: tuple[KvGroup, ...]) -> Speculative:
     for k in spec:
         if k not in SPECULATIVE_KEYS:
             raise TraceError(where, f"unknown key {k!r} in engine.speculative "
@@ -307,7 +325,18 @@ def _speculative(where: str, spec: dict[str, Any]) -> Speculative:
     modules = _check_int(where, "speculative.mtp_modules", spec.get("mtp_modules", 1))
     if "mtp_modules" in spec and spec["method"] != "mtp":
         raise TraceError(where, "engine.speculative.mtp_modules only applies to method mtp")
-    return Speculative(spec["method"], n, lookahead_off, modules)
+    draft_group = spec.get("draft_group")
+    if draft_group is not None:
+        if isinstance(draft_group, bool) or not isinstance(draft_group, int) or not (
+                0 <= draft_group < len(groups)):
+            raise TraceError(where, f"engine.speculative.draft_group must index "
+                                    f"engine.kv_groups (0 to {len(groups) - 1}), got "
+                                    f"{draft_group!r}")
+        if groups[draft_group].kind not in DRAFT_GROUP_KINDS:
+            raise TraceError(where, f"engine.speculative.draft_group {draft_group} is a "
+                                    f"{groups[draft_group].kind} group; the draft's attention "
+                                    f"layer joins one of: {', '.join(DRAFT_GROUP_KINDS)}")
+    return Speculative(spec["method"], n, lookahead_off, modules, draft_group)
 
 
 def _choice(where: str, key: str, value: Any, known: tuple[str, ...], message: str) -> None:
@@ -327,7 +356,7 @@ def _build(where: str, raw: Any) -> EngineBlock:
         _check_int(where, "prefix_cache_retention_interval",
                    raw["prefix_cache_retention_interval"], minimum=0)
     _choice(where, "mamba_cache_mode", raw.get("mamba_cache_mode", "align"), MAMBA_CACHE_MODES,
-            "engine.{key} must be 'align' or 'none', got {value!r}")
+            "engine.{key} must be one of {known}, got {value!r}")
     if raw.get("connector") is not None:
         _choice(where, "connector", raw["connector"], CONNECTORS,
                 "engine.{key} {value!r} is not supported (known: {known})")
@@ -355,7 +384,7 @@ def _build(where: str, raw: Any) -> EngineBlock:
     values["connector_config"] = dict(raw.get("connector_config") or {})
     attention = [g.block_size for g in groups if g.kind != "mamba"]
     values.setdefault("block_size", min(attention))
-    speculative = None if spec is None else _speculative(where, spec)
+    speculative = None if spec is None else _speculative(where, spec, groups)
     return EngineBlock(kv_groups=groups, speculative=speculative, given=given, **values)
 
 

@@ -49,6 +49,27 @@ def check_connector(version: str, connector: str | None, label: str) -> None:
                                   f"replayed on {served})")
 
 
+# release prefix -> the Mamba cache modes its CacheConfig takes beyond align and
+# none: "all" (every block's state cached) is 0.29-0.31's; 0.32 removed it.
+MAMBA_CACHE_MODE_ALL: tuple[str, ...] = ("0.29", "0.30", "0.31")
+
+
+def _in(version: str, prefixes) -> bool:
+    return any(version == p or version.startswith(p + ".") for p in prefixes)
+
+
+def check_supported(version: str, engine: EngineBlock, label: str) -> None:
+    """Refuse, before vLLM is imported, a trace needing what release ``version``
+    lacks: a connector no store adapter serves, a Mamba cache mode it removed."""
+    check_connector(version, engine.connector, label)
+    if engine.has_mamba and engine.mamba_cache_mode == "all" and not _in(
+            version, MAMBA_CACHE_MODE_ALL):
+        served = ", ".join(f"{p}.x" for p in MAMBA_CACHE_MODE_ALL)
+        raise UnsupportedByEngine(f"{label}: engine.mamba_cache_mode 'all' is not in vLLM "
+                                  f"{version} (its CacheConfig takes align or none; 'all' "
+                                  f"replays on {served})")
+
+
 def installed_vllm_version() -> str:
     try:
         return metadata.version("vllm")
@@ -97,6 +118,7 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
                           "through replayer.runner.engine_runner or the command line")
     info = spec.info
     version = info.vllm
+    check_supported(version, engine, info.label)
     try:
         module = importlib.import_module(adapter_module_for(version))
     except EngineError:
@@ -118,6 +140,6 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
     return adapter
 
 
-__all__ = ["ADAPTERS", "STORE_ADAPTERS", "check_connector", "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
+__all__ = ["ADAPTERS", "STORE_ADAPTERS", "check_connector", "check_supported", "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
            "PrefillOutcome", "StepResult", "UnsupportedByEngine", "installed_vllm_version",
            "open_engine", "supported_ranges"]

@@ -149,12 +149,13 @@ class LayerPlan:
     """One KV-cache layer the null model reports, before a release's spec class."""
 
     name: str
-    kind: str                 # full_attention | mamba | sliding_window | mla
+    kind: str                 # full_attention | mamba | sliding_window | mla | chunked_local
     block_size: int
     head_size: int
     page_bytes: int           # the common page size every group is padded to
     sliding_window: int | None = None
     draft: bool = False       # a layer of the EAGLE draft model
+    attention_chunk_size: int | None = None
 
 
 # CacheConfig / SchedulerConfig fields a trace may leave to vLLM (None), by
@@ -243,9 +244,17 @@ def plan_layers(engine: EngineBlock, dtype_bytes: int) -> list[LayerPlan]:
     padded to match, as vLLM's own hybrid models do. The draft model's layer
     shares the first attention group's spec; the other groups get a twin layer
     so that every group holds the same number of layers, as vLLM's grouping
-    assumes.
+    assumes. ``speculative.draft_group`` names another group for the draft
+    layer to join (a real draft's layer has its target's geometry, so it
+    lands in the group of that spec).
     """
     groups = engine.kv_groups
+    draft_index = None
+    if engine.speculative is not None:
+        draft_index = engine.speculative.draft_group
+        if draft_index is None:
+            draft_index = next((i for i, g in enumerate(groups)
+                                if g.kind in ("full_attention", "mla")), None)
     sizes = [g.block_size for g in groups]
     largest = max(sizes)
     for g, bs in zip(groups, sizes):
@@ -258,8 +267,9 @@ def plan_layers(engine: EngineBlock, dtype_bytes: int) -> list[LayerPlan]:
     for i, (g, bs) in enumerate(zip(groups, sizes)):
         kind = g.kind
         plans.append(LayerPlan(f"model.layers.{i}.{kind}", kind, bs, HEAD_SIZE * largest // bs,
-                               page, g.sliding_window))
-        if engine.speculative and draft is None and kind in ("full_attention", "mla"):
+                               page, g.sliding_window,
+                               attention_chunk_size=g.attention_chunk_size))
+        if i == draft_index:
             draft = replace(plans[-1], name="draft.layers.0.attn", draft=True)
             plans.append(draft)
     if draft is not None:

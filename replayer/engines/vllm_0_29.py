@@ -28,6 +28,10 @@ reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
   the store adapter :mod:`.mooncake_0_33` serves it; 0.29's store was
   rewritten by 0.32 (0.30 and 0.31 not yet read), so a trace with a connector
   is refused there.
+* **``mamba_cache_mode: all``** (every block's Mamba state cached) exists on
+  0.29-0.31 only; 0.32 refuses it (``check_supported`` in ``__init__``).
+* **``speculative.draft_group``** needs ``is_draft``: here every group is an
+  EAGLE group whichever group the draft layer joins (a note says so).
 
 Under the sources of 0.29.0 the #51295 pair shows the production miss as
 upstream reported it (turn 2 hits 23040 after a 24576-token turn 1, and 0
@@ -41,8 +45,9 @@ from typing import Any
 import torch
 
 from vllm.config import VllmConfig
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpec,
-                                        MLAAttentionSpec, SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                        KVCacheSpec, MambaSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
 
 from traces.engine_spec import EngineBlock
 
@@ -73,6 +78,10 @@ def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
         return SlidingWindowSpec(block_size=plan.block_size, num_kv_heads=1,
                                  head_size=plan.head_size, dtype=DTYPE,
                                  sliding_window=int(plan.sliding_window or 0))
+    if plan.kind == "chunked_local":
+        return ChunkedLocalAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                                         head_size=plan.head_size, dtype=DTYPE,
+                                         attention_chunk_size=int(plan.attention_chunk_size or 0))
     if plan.kind == "mla":
         return MLAAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
                                 head_size=2 * plan.head_size, dtype=DTYPE)
@@ -91,6 +100,10 @@ def missing_settings(engine: EngineBlock, version: str) -> list[str]:
     if spec is not None and not spec.disable_lookahead_block_hashes:
         notes.append(f"vLLM {version} has no lookahead block hashes: replayed with the EAGLE "
                      "drop on (engine.speculative.disable_lookahead_block_hashes is 0.33's)")
+    if spec is not None and spec.draft_group is not None:
+        notes.append(f"vLLM {version} has no is_draft: every KV-cache group is an EAGLE "
+                     "group, so engine.speculative.draft_group only places the draft layer "
+                     "(it is 0.33's)")
     if (engine.enable_mamba_shared_prefix_checkpoint
             and _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE):
         notes.append(f"vLLM {version} has no enable_mamba_shared_prefix_checkpoint: "

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from vllm.config import VllmConfig
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheSpec, MambaSpec,
-                                        MLAAttentionSpec, SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                        KVCacheSpec, MambaSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
 
 from traces.engine_spec import EngineBlock
 
@@ -49,6 +50,10 @@ def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
         spec = SlidingWindowSpec(block_size=plan.block_size, num_kv_heads=1,
                                  head_size=plan.head_size, dtype=DTYPE,
                                  sliding_window=int(plan.sliding_window or 0))
+    elif plan.kind == "chunked_local":
+        spec = ChunkedLocalAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                                         head_size=plan.head_size, dtype=DTYPE,
+                                         attention_chunk_size=int(plan.attention_chunk_size or 0))
     elif plan.kind == "mla":
         spec = MLAAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
                                 head_size=2 * plan.head_size, dtype=DTYPE)

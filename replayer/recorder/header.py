@@ -20,11 +20,14 @@ CONNECTORS = {"MooncakeStoreConnector": "mooncake_store"}
 def _group_kind(spec: Any) -> dict[str, Any] | None:
     """``{kind, block_size, sliding_window?}`` of one KV-cache group; None for a
     group holding only draft-model layers (the replayer adds those itself)."""
-    from vllm.v1.kv_cache_interface import (MambaSpec, MLAAttentionSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, MambaSpec,
+                                            MLAAttentionSpec, SlidingWindowSpec)
 
     if getattr(spec, "is_draft", False):
         return None
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return {"kind": "chunked_local", "block_size": int(spec.block_size),
+                "attention_chunk_size": int(spec.attention_chunk_size)}
     if isinstance(spec, MambaSpec):
         return {"kind": "mamba", "block_size": int(spec.block_size)}
     if isinstance(spec, SlidingWindowSpec):
@@ -40,8 +43,11 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
     the recorder adapter module of this release (:mod:`.releases`)."""
     cache = vllm_config.cache_config
     sched = vllm_config.scheduler_config
-    groups = [g for g in (_group_kind(x.kv_cache_spec) for x in kv_cache_config.kv_cache_groups)
-              if g is not None]
+    kinds = [(_group_kind(x.kv_cache_spec), bool(getattr(x, "is_eagle_group", False)))
+             for x in kv_cache_config.kv_cache_groups]
+    groups = [g for g, _ in kinds if g is not None]
+    flagged = [i for i, (_, eagle) in enumerate((k for k in kinds if k[0] is not None))
+               if eagle]
     block: dict[str, Any] = {
         "block_size": int(cache.block_size),
         "kv_groups": groups,
@@ -75,6 +81,9 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
     spec = vllm_config.speculative_config
     if spec is not None and spec.num_speculative_tokens:
         block["speculative"] = adapter.speculative_block(spec)
+        draft_group = _draft_group(groups, flagged)
+        if draft_group is not None:
+            block["speculative"]["draft_group"] = draft_group
         modules = mtp_modules(spec)
         if modules is not None and modules != 1:
             block["speculative"]["mtp_modules"] = modules
@@ -86,6 +95,17 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
         if conf:
             block["connector_config"] = conf
     return EngineBlock.from_dict("the recorded engine", block)
+
+
+def _draft_group(groups: list[dict[str, Any]], flagged: list[int]) -> int | None:
+    """The group vLLM marked as holding the draft (is_eagle_group), where it marked
+    exactly one and that is not the replayer's default (the first full-attention or
+    MLA group); None otherwise (releases without is_draft flag every group)."""
+    if len(flagged) != 1:
+        return None
+    default = next((i for i, g in enumerate(groups)
+                    if g["kind"] in ("full_attention", "mla")), None)
+    return None if flagged[0] == default else flagged[0]
 
 
 def _qualname(cls: Any) -> str:
