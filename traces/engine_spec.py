@@ -27,14 +27,16 @@ from .errors import TraceError
 from .limits import check_engine_bounds, check_int
 
 GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla", "chunked_local")
-# Kinds a draft model's attention layer can join (never a Mamba group).
-DRAFT_GROUP_KINDS = ("full_attention", "mla", "sliding_window", "chunked_local")
+# Kinds a draft model's attention layer can join: never Mamba, and never chunked
+# local attention, whose lookup asserts no EAGLE drop reaches it (vLLM: "Hybrid KV
+# cache is not supported for eagle + chunked local attention").
+DRAFT_GROUP_KINDS = ("full_attention", "mla", "sliding_window")
 CONNECTORS = ("mooncake_store",)
 # MooncakeStoreConnector's kv_connector_extra_config keys the replay honours.
 CONNECTOR_CONFIG_KEYS = ("load_async", "lookup_async", "save_decode_cache", "enable_lookup",
                          "cache_prefix", "enable_group_semantics")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp")
+SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "dflash")
 # "all" (cache every block's state) is 0.29-0.31's; 0.32 removed it.
 MAMBA_CACHE_MODES = ("align", "none", "all")
 
@@ -68,7 +70,7 @@ class KvGroup:
 class Speculative:
     """Speculative decoding (EAGLE/MTP): vLLM's SpeculativeConfig, the draft is the trace."""
 
-    method: str = field(metadata=_doc("eagle | eagle3 | mtp", str))
+    method: str = field(metadata=_doc("eagle | eagle3 | mtp | dflash", str))
     num_speculative_tokens: int = field(default=1, metadata=_doc("draft tokens per step", int))
     disable_lookahead_block_hashes: bool = field(default=False, metadata=_doc(
         "0.33's flag: no lookahead block hashes, so the EAGLE drop applies", bool))
@@ -336,6 +338,13 @@ def _speculative(where: str, spec: dict[str, Any],
             raise TraceError(where, f"engine.speculative.draft_group {draft_group} is a "
                                     f"{groups[draft_group].kind} group; the draft's attention "
                                     f"layer joins one of: {', '.join(DRAFT_GROUP_KINDS)}")
+    elif "chunked_local" in [g.kind for g in groups] and not any(
+            g.kind in ("full_attention", "mla") for g in groups):
+        # No group for the draft: vLLM flags every group, the chunked one too.
+        raise TraceError(where, "engine.speculative beside a chunked_local group needs a "
+                                "group for the draft (a full_attention or mla group, or "
+                                "speculative.draft_group): vLLM does not support the EAGLE "
+                                "drop on chunked local attention")
     return Speculative(spec["method"], n, lookahead_off, modules, draft_group)
 
 

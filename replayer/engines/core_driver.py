@@ -52,11 +52,14 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 TARGET_MODEL = MODELS / "tiny-llama"
 DRAFT_MODEL = MODELS / "tiny-eagle"
 MTP_DRAFT_MODEL = MODELS / "tiny-mtp"
+# A DFlash draft (Qwen3 architecture, vLLM's DFlashDraftModel) reading the
+# target's layer 0 hidden states (dflash_config.target_layer_ids).
+DFLASH_DRAFT_MODEL = MODELS / "tiny-dflash"
 
 
 def draft_model(method: str) -> Path:
     """The draft config vLLM reads for ``method`` (it detects MTP from the config)."""
-    return MTP_DRAFT_MODEL if method == "mtp" else DRAFT_MODEL
+    return {"mtp": MTP_DRAFT_MODEL, "dflash": DFLASH_DRAFT_MODEL}.get(method, DRAFT_MODEL)
 
 
 def set_mtp_modules(modules: int, hf_config: Any) -> Any:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
-                                        SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                        MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
 
 
 def group_kind(spec: Any) -> str:
@@ -22,6 +22,8 @@ def group_kind(spec: Any) -> str:
         return "sliding_window"
     if isinstance(spec, MLAAttentionSpec):
         return "mla"
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return "chunked_local"
     if isinstance(spec, FullAttentionSpec):
         return "full_attention"
     return type(spec).__name__

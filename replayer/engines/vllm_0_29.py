@@ -131,6 +131,13 @@ def build_vllm_config(engine: EngineBlock, version: str,
 def open_engine(engine: EngineBlock, version: str, store: Any = None,
                 record_dir: str | None = None) -> CoreEngine:
     check_connector(version, engine.connector, f"vllm {version}")
+    if engine.speculative and any(g.kind == "chunked_local" for g in engine.kv_groups):
+        # No is_draft: every group is an EAGLE group, and vLLM's chunked-local
+        # lookup asserts the drop never reaches it.
+        raise UnsupportedByEngine(f"vllm {version}: EAGLE/MTP beside a chunked_local group "
+                                  "is not replayable on this release (no is_draft, so vLLM "
+                                  "drops from every group, and it does not support the drop "
+                                  "on chunked local attention)")
     executor = NullExecutor
     if engine.connector:
         from .mooncake_0_33 import StoreAwareExecutor

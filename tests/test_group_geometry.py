@@ -1,0 +1,163 @@
+"""Geometry vLLM's own tests use that a scenario can now say (issue 14 items 5 and 6):
+which group holds the EAGLE/MTP draft, chunked local attention, MLA beside other
+kinds, and Mamba cache mode 'all' (0.29-0.31 only, refused by newer releases)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from conftest import FIXTURES, SCENARIOS, cli
+from helpers_traces import assert_bad_input
+from replayer.engines import UnsupportedByEngine, check_supported
+from replayer.recorder.header import _draft_group
+from replayer.runner import replay_on as replay
+from traces import load_target
+from traces.engine_spec import EngineBlock
+from traces.errors import TraceError
+
+DRAFT_GROUP = SCENARIOS / "eagle_draft_group.yaml"
+CHUNKED = SCENARIOS / "chunked_local_attention.yaml"
+MAMBA_ALL = FIXTURES / "releases" / "mamba_cache_mode_all.yaml"
+
+
+def hits(result):
+    return {r.id: r.num_cached_tokens for r in result.requests}
+
+
+def variant(tmp_path, source, old, new, name="variant.yaml"):
+    text = source.read_text()
+    assert old in text
+    path = tmp_path / name
+    path.write_text(text.replace(old, new))
+    return load_target(path)
+
+
+def test_draft_group_decides_which_group_vllm_drops_from(tmp_path):
+    """The draft in the window group drops a 16-token block there; in the
+    full-attention group (the default) it drops elsewhere and hits more."""
+    in_window = replay(load_target(DRAFT_GROUP))
+    assert in_window.kv_groups == [
+        {"group": 0, "kind": "full_attention", "eagle_drop": False},
+        {"group": 1, "kind": "sliding_window", "eagle_drop": True}]
+    assert hits(in_window) == {"b97": 0, "b97_again": 32, "f64": 0, "f64_again": 0,
+                               "g129": 0, "g129_again": 64}
+    default = replay(variant(tmp_path, DRAFT_GROUP, ", draft_group: 1}", "}"))
+    assert default.kv_groups == [
+        {"group": 0, "kind": "full_attention", "eagle_drop": True},
+        {"group": 1, "kind": "sliding_window", "eagle_drop": False}]
+    assert hits(default) == {"b97": 0, "b97_again": 64, "f64": 0, "f64_again": 32,
+                             "g129": 0, "g129_again": 96}
+    named = replay(variant(tmp_path, DRAFT_GROUP, "draft_group: 1", "draft_group: 0"))
+    assert hits(named) == hits(default)
+
+
+@pytest.mark.parametrize("speculative, message", [
+    ({"method": "eagle", "draft_group": 2}, r"draft_group must index engine.kv_groups \(0 to 1\)"),
+    ({"method": "eagle", "draft_group": True}, "draft_group must index engine.kv_groups"),
+    ({"method": "eagle", "draft_group": 1}, "draft_group 1 is a mamba group"),
+])
+def test_draft_group_is_checked(speculative, message):
+    with pytest.raises(TraceError, match=message) as err:
+        EngineBlock.from_dict("s.yaml", {"kv_groups": ["full_attention", "mamba"],
+                                         "speculative": speculative})
+    assert str(err.value).startswith("s.yaml: ")
+
+
+def test_no_eagle_drop_reaches_chunked_local_attention():
+    """vLLM asserts the drop never reaches a chunked-local group: refused up front."""
+    chunked = {"kind": "chunked_local", "attention_chunk_size": 64}
+    with pytest.raises(TraceError, match="draft_group 1 is a chunked_local group"):
+        EngineBlock.from_dict("s.yaml", {"kv_groups": ["full_attention", chunked],
+                                         "speculative": {"method": "eagle", "draft_group": 1}})
+    with pytest.raises(TraceError, match="needs a group for the draft"):
+        EngineBlock.from_dict("s.yaml", {"kv_groups": [chunked],
+                                         "speculative": {"method": "eagle"}})
+    EngineBlock.from_dict("s.yaml", {"kv_groups": ["full_attention", chunked],
+                                     "speculative": {"method": "eagle"}})
+
+
+def test_a_bad_draft_group_in_a_scenario_is_one_line_naming_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(DRAFT_GROUP.read_text().replace("draft_group: 1", "draft_group: 5"))
+    assert_bad_input(cli("run", path), str(path), "engine.speculative.draft_group")
+
+
+def test_chunked_local_needs_its_chunk_size_and_nothing_else_takes_one():
+    block = EngineBlock.from_dict("s.yaml", {"kv_groups": [
+        {"kind": "chunked_local", "attention_chunk_size": 64}]})
+    assert block.kv_groups[0].attention_chunk_size == 64
+    with pytest.raises(TraceError, match=r"kv_groups\[0\].attention_chunk_size must be"):
+        EngineBlock.from_dict("s.yaml", {"kv_groups": [{"kind": "chunked_local"}]})
+    with pytest.raises(TraceError, match="attention_chunk_size only applies to kind "
+                                         "chunked_local"):
+        EngineBlock.from_dict("s.yaml", {"kv_groups": [
+            {"kind": "full_attention", "attention_chunk_size": 64}]})
+
+
+def test_chunked_local_skips_whole_chunks_where_full_attention_misses(tmp_path):
+    """vLLM counts the blocks before the last chunk as computed (null blocks)."""
+    local = replay(load_target(CHUNKED))
+    assert local.kv_groups == [{"group": 0, "kind": "chunked_local", "eagle_drop": False}]
+    assert hits(local) == {"doc": 448, "filler": 256, "doc_again": 496, "doc_head": 64}
+    full = replay(variant(
+        tmp_path, CHUNKED, "{kind: chunked_local, attention_chunk_size: 64}\n"
+        "  max_num_batched_tokens: 64\n  max_num_seqs: 4\n  num_gpu_blocks: 24",
+        "{kind: full_attention}\n  max_num_batched_tokens: 64\n  max_num_seqs: 4\n"
+        "  num_gpu_blocks: 40"))
+    assert hits(full) == {"doc": 0, "filler": 0, "doc_again": 320, "doc_head": 96}
+
+
+def test_mla_beside_other_kinds_caches_as_full_attention(tmp_path):
+    """MLA is accepted beside a window and a Mamba group, and hits as full attention would."""
+    path = SCENARIOS / "mla_hybrid.yaml"
+    mla = replay(load_target(path))
+    assert [g["kind"] for g in mla.kv_groups] == ["mla", "sliding_window", "mamba"]
+    assert hits(mla) == {"doc": 0, "doc_again": 960, "doc_head": 0}
+    full = replay(variant(tmp_path, path, "{kind: mla}", "{kind: full_attention}"))
+    assert hits(full) == hits(mla)
+
+
+def test_mamba_cache_mode_all_is_refused_where_vllm_removed_it():
+    engine = load_target(MAMBA_ALL).engine
+    assert engine.mamba_cache_mode == "all"
+    for version in ("0.29.0", "0.30.1", "0.31.0"):
+        check_supported(version, engine, "e")
+    for version in ("0.32.0", "0.33.0"):
+        with pytest.raises(UnsupportedByEngine, match=f"not in vLLM {version}"):
+            check_supported(version, engine, "e")
+    line = assert_bad_input(cli("run", MAMBA_ALL), "engine.mamba_cache_mode 'all'")
+    assert "replays on 0.29.x, 0.30.x, 0.31.x" in line
+    proc = cli("check", "fixtures/releases")         # no "no goldens": refused, so skipped
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("SKIP fixtures/releases/mamba_cache_mode_all.yaml: vllm "
+                                  "0.33.0 (installed): engine.mamba_cache_mode 'all' is not in")
+
+
+@pytest.mark.slow
+def test_mamba_cache_mode_all_keeps_every_block_state_on_0310(tmp_path):
+    """'all' hits a mid-document prefix that 'align' cannot (one replay each on 0.31.0)."""
+    from replayer.runner import engine_runner
+
+    align = variant(tmp_path, MAMBA_ALL, "mamba_cache_mode: all", "mamba_cache_mode: align")
+    with engine_runner("vllm==0.31.0") as run:
+        on_all, on_align = run(load_target(MAMBA_ALL)), run(align)
+    assert hits(on_all) == {"doc": 0, "doc_again": 288, "doc_head": 144}
+    assert hits(on_align) == {"doc": 0, "doc_again": 288, "doc_head": 0}
+
+
+def test_recorded_draft_group_is_the_one_group_vllm_marked():
+    groups = [{"kind": "full_attention"}, {"kind": "sliding_window"}]
+    assert _draft_group(groups, [1]) == 1
+    assert _draft_group(groups, [0]) is None          # the default: not written
+    assert _draft_group(groups, [0, 1]) is None       # every group flagged: nothing to say
+    assert _draft_group(groups, []) is None
+
+
+def test_dflash_builds_its_draft_kv_without_the_eagle_drop():
+    """vLLM 0.33: DFlash/DSpark need no trailing-block drop (needs_eagle_block_drop)."""
+    result = replay(load_target(SCENARIOS / "dflash_no_drop.yaml"))
+    assert result.kv_groups == [{"group": 0, "kind": "full_attention", "eagle_drop": False}]
+    assert hits(result) == {"a97": 0, "a97_again": 96, "b98": 0, "b98_again": 96,
+                            "c110": 0, "c110_again": 96}
