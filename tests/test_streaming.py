@@ -23,7 +23,8 @@ TARGETS = [TRACES / "conversation_500", SCENARIOS / "reset_prefix_cache.yaml",
 def test_streamed_json_is_the_same_bytes(path):
     trace = load_target(path)
     with engine_here(trace) as adapter:
-        whole = dumps(replay(trace, adapter))
+        kept = replay(trace, adapter)
+        whole = dumps(kept)
     out = io.StringIO()
     seen = []
     with engine_here(trace) as adapter:
@@ -36,5 +37,9 @@ def test_streamed_json_is_the_same_bytes(path):
         result = replay(trace, adapter, sink=sink)
         stream.finish(result)
     assert result.requests == []
+    # What only explain reads (it keeps every outcome) is not kept per request either.
+    assert kept.finished_engine_step and kept.lookups
+    assert kept.hits_are_first_prefill is True
+    assert result.finished_engine_step == {} and result.lookups == {}
     assert result.summary()["requests"] == len(seen) == trace.requests.num_rows
     assert out.getvalue() == whole
