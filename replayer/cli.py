@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="OUT", help="write results as JSON ('-' for stdout)")
     run.add_argument("--store-ops", metavar="OUT.parquet",
                      help="write every store operation as a store_ops table (connector traces)")
+    run.add_argument("--kv-events", metavar="OUT.parquet",
+                     help="turn vLLM's KV-cache events on and write them as a kv_events table "
+                          "(--json then holds their summary)")
     engine_opts(run)
     set_opt(run)
 
@@ -264,6 +267,8 @@ def cmd_run(args) -> int:
     if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
     _check_store_applies(args, [trace])
+    if args.kv_events:
+        trace.kv_events_wanted = True
     with engine_runner(spec) as run:
         result = _replay(trace, args, run)
     print(run_table(result), file=sys.stderr if args.json == "-" else sys.stdout)
@@ -272,6 +277,11 @@ def cmd_run(args) -> int:
         from traces import schema
 
         write_table_atomic(args.store_ops, schema.STORE_OPS, result.store["rows"])
+    if args.kv_events:
+        from traces.trace import write_table_atomic
+        from traces import schema
+
+        write_table_atomic(args.kv_events, schema.KV_EVENTS, result.kv_events or [])
     if args.json == "-":
         sys.stdout.write(dumps(result))
     elif args.json:
@@ -287,6 +297,8 @@ def _check_outputs(args) -> None:
         check_output_file(args.json, "--json")
     if getattr(args, "store_ops", None):
         check_output_file(args.store_ops, "--store-ops")
+    if getattr(args, "kv_events", None):
+        check_output_file(args.kv_events, "--kv-events")
 
 
 def _check_store_applies(args, traces) -> None:
@@ -657,6 +669,12 @@ def cmd_info(args) -> int:
     for key, expect in sorted(trace.store_goldens.items()):
         puts, lookups = STORE.count(expect)
         print(f"store goldens for {label(key)}: {puts} keys, {lookups} lookups")
+    from traces.event_goldens import EVENTS
+
+    for key, expect in sorted(trace.event_goldens.items()):
+        stored, skipped, removed, cleared = EVENTS.count(expect)
+        print(f"kv event goldens for {label(key)}: {stored} stored, {skipped} skipped, "
+              f"{removed} removed, {cleared} cleared")
     return EXIT_OK
 
 

@@ -84,14 +84,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
-                record_dir: str | None = None) -> EngineAdapter:
+                record_dir: str | None = None, kv_events: bool = False) -> EngineAdapter:
     """Build the adapter for ``spec`` over a sized engine block, in this process.
 
     Called only by :mod:`replayer.runner`, which decides where an engine runs:
     ``spec`` is the installed vLLM or the sources this process imports (a
     child started by :mod:`replayer.engine_process`). ``store`` is a
     :class:`replayer.store.StoreSpec` for traces with a connector; ``record_dir``
-    records the replay there (:mod:`replayer.recorder`)."""
+    records the replay there (:mod:`replayer.recorder`); ``kv_events`` turns vLLM's
+    KV-cache events on and collects them (adapters with ``supports_kv_events``)."""
     if not spec.runs_here():
         raise EngineError(f"engine {spec.info.label} runs in a process of its own: replay it "
                           "through replayer.runner.engine_runner or the command line")
@@ -105,13 +106,18 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
         raise EngineError(f"{info.label}: importing vLLM failed: {type(exc).__name__}: "
                           f"{_first_line(exc)}") from exc
     try:
-        adapter = module.open_engine(engine, version, store=store, record_dir=record_dir)
+        adapter = module.open_engine(engine, version, store=store, record_dir=record_dir,
+                                     kv_events=kv_events)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         # vLLM validates geometry with ValueError/AssertionError (pydantic's too):
         # one line naming the engine field (replayer.engines.config_errors).
         from .config_errors import describe
 
         raise EngineError(describe(exc, version)) from exc
+    if kv_events and not adapter.supports_kv_events:
+        adapter.close()
+        raise UnsupportedByEngine(f"{info.label}: KV-cache events are not collected on "
+                                  f"vLLM {version} (its adapter lacks them)")
     adapter.info = info
     # Defaults the replayer chose where vLLM's would be refused are said first.
     adapter.notes = [*engine.chosen, *adapter.notes]

