@@ -66,7 +66,10 @@ class KvEventCollector:
         self.sink = sink
         self.rows: list[tuple] = []
         cfg = scheduler.kv_cache_config
-        self.hbs = int(getattr(cfg, "hash_block_size", 0) or scheduler.cache_config.block_size)
+        # The granularity of Request.block_hashes: the scheduler's own (0.29 on),
+        # else the KV-cache config's.
+        self.hbs = int(getattr(scheduler, "hash_block_size", 0)
+                       or getattr(cfg, "hash_block_size", 0) or scheduler.cache_config.block_size)
         self._ext = _external_hash()
         self.first: dict[Any, tuple[int, str]] = {}      # external hash -> (boundary, request)
         self._indexed: dict[str, int] = {}               # request id -> hashes indexed

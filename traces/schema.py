@@ -132,8 +132,9 @@ KV_EVENTS = Table("kv_events", (
     Column("boundary", pa.int64(), nullable=True,
            doc="token boundary the block ends at; null for AllBlocksCleared"),
     Column("kept", pa.bool_(), nullable=True,
-           doc="BlockStored: false for a block inside the event's token range that vLLM "
-               "did not keep (sparse Mamba retention, outside a window); else null"),
+           doc="BlockStored: true for a block vLLM kept, false for one inside the event's "
+               "token range it did not keep (sparse Mamba retention, outside a window); "
+               "else null"),
     Column("request", pa.string(), required=False, nullable=True,
            doc="first request whose tokens hold this block's prefix"),
     Column("hash", pa.string(), required=False, nullable=True,
