@@ -222,3 +222,39 @@ def test_a_golden_table_with_repeated_rows_is_refused(tmp_path):
     proc = cli("info", out)
     assert proc.returncode == 2
     assert "duplicate" in proc.stderr and golden.name in proc.stderr
+
+
+EVICTING = """\
+engine:
+  block_size: 16
+  kv_groups: [{kind: full_attention}]
+  max_num_batched_tokens: 512
+  max_num_seqs: 4
+  num_gpu_blocks: 40
+requests:
+  - {id: a, prompt: [{stream: a, start: 0, len: 400}]}
+  - {id: b, after: a, prompt: [{stream: b, start: 0, len: 400}]}
+  - {id: c, after: b, prompt: [{stream: a, start: 0, len: 400}]}
+expect:
+  a: {num_cached_tokens: 0}
+expect_events: {}
+"""
+
+
+def test_evicted_blocks_are_removed_by_name(tmp_path):
+    """A cache of 40 blocks holds one 400-token prompt: b evicts a's blocks
+    (BlockRemoved, named a's), and c, a's prompt again, stores evicted ones anew."""
+    target = tmp_path / "evicting.yaml"
+    target.write_text(EVICTING)
+    trace = load_target(target)
+    result = replay_on(trace)
+    got = from_rows(result.kv_events)
+    removed = got["removed"]
+    assert removed.get("a", {}).get(0), got
+    stored_once = set(got["stored"]["a"][0])
+    assert set(removed["a"][0]) <= stored_once
+    assert all(b % 16 == 0 for b in removed["a"][0])
+    # c misses the evicted prefix and stores a's blocks a second time.
+    assert result.by_id()["c"].num_cached_tokens < 400
+    times = Counter(got["stored"]["a"][0])
+    assert any(times[b] == 2 for b in removed["a"][0])
