@@ -149,11 +149,12 @@ class KvEventCollector:
         parent = ev.parent_block_hash
         start = 0 if parent is None else self.first.get(parent, (None,))[0]
         emitter = None
-        if start is not None:
+        if start is not None and len(kept) * bs != len(ev.token_ids):
+            # Some blocks of the range were not kept: place them on the request's hashes.
             end = start + len(ev.token_ids)
             emitter = self._emitter(ev, start, end, candidates)
         if emitter is None:
-            # Cannot place the range: the kept blocks alone, by their hashes.
+            # Every block kept (or the range cannot be placed): the kept blocks, by hash.
             for h in kept:
                 b, rid = self.first.get(h, (None, None))
                 self._row(step, "BlockStored", group, b, True, rid, h, medium)
