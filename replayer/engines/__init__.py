@@ -34,6 +34,9 @@ ADAPTERS: dict[str, str] = {
 # release prefix -> store adapter module, for releases whose MooncakeStore API
 # the replay drives (0.29-0.31's differs: no store adapter yet).
 STORE_ADAPTERS: dict[str, str] = {
+    "0.31": "replayer.engines.mooncake_0_33",
+    "0.30": "replayer.engines.mooncake_0_33",
+    "0.29": "replayer.engines.mooncake_0_33",
     "0.32": "replayer.engines.mooncake_0_33",
     "0.33": "replayer.engines.mooncake_0_33",
 }

@@ -345,7 +345,8 @@ class StoreConnectorEngine(CoreEngine):
             if self.session is not None:
                 self.session.close()
             raise
-        self._hash_block_size = self.scheduler.kv_cache_config.hash_block_size or 1
+        # The scheduler's own hash block size (KVCacheConfig carries it from 0.32 on).
+        self._hash_block_size = self.scheduler.hash_block_size or 1
         if self.session is not None:
             self.session.attach_scheduler(self.scheduler)
 
