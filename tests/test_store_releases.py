@@ -21,7 +21,7 @@ from replayer.engines.releases import KNOWN_RELEASES, release_sources
 pytestmark = pytest.mark.slow       # each engine process costs ~10 s of vLLM imports
 
 STORE_DIR = "distributed/kv_transfer/kv_connector/v1/mooncake/store"
-RESEND = STORE_SCENARIOS / "resend_after_reset.yaml"
+JUNCTION = STORE_SCENARIOS / "shared_prefix_junction.yaml"
 
 
 def _class_source(text: str, name: str) -> str:
@@ -50,32 +50,30 @@ def test_what_the_store_seams_touch_is_the_same_in_every_release():
         assert 'f"@group:{key_metadata.group_id}"' in (src / "data.py").read_text(), version
 
 
-def test_031_writes_attention_at_b_and_diff_names_the_keys(tmp_path):
-    """0.31.0 before the #56615 fix, 0.32.0 after: the hits and the keys that moved."""
+def test_diff_names_the_keys_that_moved_when_the_outcomes_agree(tmp_path):
+    """shared_prefix_junction misses on 0.31.0 and 0.32.0 alike, but the prompt tails'
+    attention KV moved from B (0.31) to B + H (0.32): diff says so, and exits 1."""
     out = tmp_path / "diff.json"
-    proc = cli("diff", RESEND, "--engine", "vllm==0.31.0", "--engine", "vllm==0.32.0",
+    proc = cli("diff", JUNCTION, "--engine", "vllm==0.31.0", "--engine", "vllm==0.32.0",
                "--json", out)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
-    assert [line.split()[:4] for line in lines[1:4]] == [
-        ["p7449_again", "4608", "7296", "+2688"],
-        ["p23196_again", "21504", "23040", "+1536"],
-        ["p41300_again", "38400", "41088", "+2688"]]
-    assert lines[lines.index("B: vllm 0.32.0 (release)") + 1:] == [
-        "6 requests: 3 gained, 0 lost, 3 unchanged; tokens gained on B: +6912",
-        "store: 2 key(s) only on A, 4 only on B, 3 lookup(s) differ",
-        "  only on A: group 0 @ 7296 (p7449)",
-        "  only on A: group 0 @ 41088 (p41300)",
-        "  only on B: group 0 @ 7424 (p7449)",
-        "  only on B: group 0 @ 23168 (p23196)",
-        "  only on B: group 0 @ 41216 (p41300)",
-        "  only on B: group 1 @ 23040 (p23196)",
-        "  lookup of p7449_again: hit_length A 4608, B 7296",
-        "  lookup of p23196_again: hit_length A 21504, B 23040",
-        "  lookup of p41300_again: hit_length A 38400, B 41088"]
+    assert proc.stdout.splitlines() == [
+        "A: vllm 0.31.0 (release)",
+        "B: vllm 0.32.0 (release)",
+        "identical: 2 requests, the same outcome on A and B",
+        "store: 2 key(s) only on A, 2 only on B, 0 lookup(s) differ",
+        "  only on A: group 0 @ 8320 (user_b)",
+        "  only on A: group 0 @ 8832 (user_a)",
+        "  only on B: group 0 @ 8448 (user_b)",
+        "  only on B: group 0 @ 8960 (user_a)"]
     data = json.loads(out.read_text())
-    assert data["store"]["only_b"][0] == {"request": "p7449", "group": 0, "boundary": 7424}
-    assert data["store"]["lookups"][0] == {"request": "p7449_again", "a": 4608, "b": 7296}
+    assert data["identical"] is False and data["requests"] == []
+    assert data["store"] == {
+        "identical": False, "lookups": [],
+        "only_a": [{"request": "user_b", "group": 0, "boundary": 8320},
+                   {"request": "user_a", "group": 0, "boundary": 8832}],
+        "only_b": [{"request": "user_b", "group": 0, "boundary": 8448},
+                   {"request": "user_a", "group": 0, "boundary": 8960}]}
 
 
 def test_old_releases_check_the_store_fixtures_against_their_own_goldens():
@@ -87,15 +85,13 @@ def test_old_releases_check_the_store_fixtures_against_their_own_goldens():
                 f"for vllm=={version} (engine vllm=={version})") in proc.stdout
 
 
-def test_bisect_on_store_finds_the_release_with_the_56615_fix():
-    proc = cli("bisect", RESEND, "--on", "store", "--good", "vllm==0.30.0",
-               "--bad", "vllm==0.33.0")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[:5] == [
-        "bisect over 4 releases:",
-        "  good  vllm 0.30.0 (release)  cached 64512  keys 50  the reference",
-        "  bad   vllm 0.33.0 (release)  cached 71424  keys 54  differs from good",
-        "  try   vllm 0.31.0 (release)  cached 64512  keys 50  matches good",
-        "  try   vllm 0.32.0 (release)  cached 71424  keys 54  differs from good"]
-    assert lines[5] == "first engine that differs from good: vllm 0.32.0 (release) (4 replays)"
+def test_bisect_on_outcomes_finds_nothing_where_only_the_keys_moved():
+    """The hits of shared_prefix_junction never change; its keys do (README: --on store)."""
+    proc = cli("bisect", JUNCTION, "--on", "outcomes", "--good", "vllm==0.31.0",
+               "--bad", "vllm==0.32.0")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [
+        "bisect over 2 releases:",
+        "  good  vllm 0.31.0 (release)  cached 0  keys 13  the reference",
+        "  bad   vllm 0.32.0 (release)  cached 0  keys 13  matches good",
+        "bad gives the same outcome as good: nothing to bisect"]
