@@ -228,6 +228,22 @@ def test_every_release_range_has_a_store_adapter_and_others_are_refused_plainly(
         check_connector("0.34.0", "mooncake_store", "vllm 0.34.0")
 
 
+def test_connector_trace_without_goldens_for_a_release_is_not_replayed(tmp_path):
+    """A release the store adapter serves would replay it: "no goldens" is said first,
+    and nothing is fetched."""
+    scenario = tmp_path / "store.yaml"
+    scenario.write_text("engine: {block_size: 16, connector: mooncake_store}\n"
+                        "requests:\n  - {id: a, prompt: [{stream: s, len: 40}]}\n"
+                        "expect:\n  \"vllm==0.33.0\": {a: {num_cached_tokens: 0}}\n")
+    cache = tmp_path / "cache"
+    proc = cli("check", scenario, "--engine", "vllm==0.31.0",
+               env={"PREFIX_REPLAYER_CACHE": str(cache), "PIP_NO_INDEX": "1"})
+    assert (proc.returncode, proc.stderr) == (1, "")
+    assert proc.stdout == (f"FAIL {scenario}: no goldens for engine vllm==0.31.0 (record them "
+                           "with --update-golden); not replayed\n")
+    assert not cache.exists()
+
+
 # --- bisect: the line and the search ----------------------------------------------------
 
 
