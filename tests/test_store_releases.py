@@ -78,7 +78,7 @@ def test_diff_names_the_keys_that_moved_when_the_outcomes_agree(tmp_path):
 
 def test_old_releases_check_the_store_fixtures_against_their_own_goldens():
     for version in ("0.30.0", "0.31.0"):
-        proc = cli("check", "--engine", f"vllm=={version}", STORE_SCENARIOS)
+        proc = cli("check", "--engine", f"vllm=={version}", "fixtures/store")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.count("PASS ") == len(list(STORE_SCENARIOS.glob("*.yaml")))
         assert (f"PASS fixtures/store/resend_after_reset.yaml: 6 request(s) match the goldens "
