@@ -147,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="an engine that differs: vllm==X.Y.Z, or a commit with --tree")
     bis.add_argument("--tree", metavar="PATH",
                      help="bisect over the commits of this vLLM git checkout")
+    bis.add_argument("--on", choices=("any", "outcomes", "store"), default="any",
+                     help="what must differ from good: any (default), outcomes (cached "
+                          "tokens), store (keys written, lookups; connector traces)")
     engine_opts(bis, engine=False)
 
     comp = sub.add_parser("compile", help="compile a scenario into a trace directory")
@@ -561,6 +564,9 @@ def cmd_bisect(args) -> int:
 
     trace = load_target(args.target)
     _check_store_applies(args, [trace])
+    if args.on == "store" and not trace.engine.connector:
+        return _err(f"{args.target}: bisect --on store needs a trace with a connector "
+                    "(engine.connector)")
 
     def replay_on(spec):
         with engine_runner(spec) as run:        # each engine's process ends with its replay
@@ -569,13 +575,13 @@ def cmd_bisect(args) -> int:
     if args.tree is None:
         line = release_line(args.good, args.bad)
         say(header_line(len(line), "releases"))
-        res = search(line, replay_on, on_probe=lambda p: say(probe_line(p)))
+        res = search(line, replay_on, on_probe=lambda p: say(probe_line(p)), on=args.on)
     else:
         commits = CommitLine(args.tree, args.good, args.bad)
         try:
             say(header_line(len(commits.commits), f"commits of {commits.tree}"))
             res = search(commits.commits, lambda c: replay_on(commits.engine(c)),
-                         on_probe=lambda p: say(probe_line(p)))
+                         on_probe=lambda p: say(probe_line(p)), on=args.on)
         finally:
             commits.close()
     say(conclusion(res))

@@ -96,9 +96,16 @@ def has_goldens(trace: Trace, key: str) -> bool:
 
 def said_before_replay(spec: Any, trace: Trace) -> bool:
     """Whether "no goldens" may be said of ``trace`` before any replay: not when the
-    engine will refuse it anyway (connector replay on a release or tree, refused by
+    engine may refuse it anyway (connector replay on a release no store adapter
+    serves, or on a tree whose release is not known yet, refused by
     :class:`replayer.engine_process.EngineProcess`, which ``check`` reports as SKIP)."""
-    return spec.kind == "installed" or not trace.engine.connector
+    if spec.kind == "installed" or not trace.engine.connector:
+        return True
+    from .engines import STORE_ADAPTERS
+
+    version = spec.version
+    return version is not None and any(version == p or version.startswith(p + ".")
+                                       for p in STORE_ADAPTERS)
 
 
 def no_goldens(path: Path | str, key: str) -> list[str]:

@@ -32,8 +32,16 @@ ADAPTERS: dict[str, str] = {
 
 
 # release prefix -> store adapter module, for releases whose MooncakeStore API
-# the replay drives (0.29-0.31's differs: no store adapter yet).
+# the replay drives. One module serves 0.29-0.33: what its seams touch (the
+# scheduler's LookupKeyClient, the lookup server's call into the worker, the
+# wire encoding, the worker's queues, the key format) is the same in all five;
+# what changed between them (where the worker puts boundary keys, #56615) is
+# vLLM code the replay runs as it is. A release range whose seams differ gets
+# its own module here.
 STORE_ADAPTERS: dict[str, str] = {
+    "0.29": "replayer.engines.mooncake_0_33",
+    "0.30": "replayer.engines.mooncake_0_33",
+    "0.31": "replayer.engines.mooncake_0_33",
     "0.32": "replayer.engines.mooncake_0_33",
     "0.33": "replayer.engines.mooncake_0_33",
 }
@@ -47,6 +55,13 @@ def check_connector(version: str, connector: str | None, label: str) -> None:
         raise UnsupportedByEngine(f"{label}: connector replay ({connector}) is not supported "
                                   f"on vLLM {version} yet (its MooncakeStore API differs; "
                                   f"replayed on {served})")
+
+
+def store_adapter(version: str, connector: str, label: str) -> Any:
+    """The store adapter module serving ``version`` (refused as check_connector says)."""
+    check_connector(version, connector, label)
+    prefix = next(p for p in STORE_ADAPTERS if version == p or version.startswith(p + "."))
+    return importlib.import_module(STORE_ADAPTERS[prefix])
 
 
 def installed_vllm_version() -> str:
@@ -124,6 +139,6 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
     return adapter
 
 
-__all__ = ["ADAPTERS", "STORE_ADAPTERS", "check_connector", "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
+__all__ = ["ADAPTERS", "STORE_ADAPTERS", "check_connector", "store_adapter", "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
            "PrefillOutcome", "StepResult", "UnsupportedByEngine", "installed_vllm_version",
            "open_engine", "supported_ranges"]
