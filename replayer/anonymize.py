@@ -115,6 +115,12 @@ def anonymize(trace: Trace, unit: int | None = None, secret: bytes | None = None
         i = store_ops.column_names.index("key")
         store_ops = store_ops.set_column(i, pa.field("key", pa.string(), nullable=True),
                                          pa.nulls(store_ops.num_rows, pa.string()))
+    kv_events = trace.kv_events
+    if kv_events is not None and "hash" in kv_events.column_names:
+        i = kv_events.column_names.index("hash")
+        kv_events = kv_events.set_column(i, pa.field("hash", pa.string(), nullable=True),
+                                         pa.nulls(kv_events.num_rows, pa.string()))
     return Trace(header=header, requests=table, events=trace.events, outcomes=trace.outcomes,
                  steps=trace.steps, store_ops=store_ops, goldens=trace.goldens,
-                 store_goldens=trace.store_goldens)
+                 store_goldens=trace.store_goldens, kv_events=kv_events,
+                 event_goldens=trace.event_goldens)

@@ -10,7 +10,10 @@ and bad must differ from it or there is nothing to find. Then a binary search
 replays the middle of the open range until the first differing engine sits
 next to the last matching one, so a line of n engines costs about
 ``2 + log2(n)`` replays. "Differs" is :func:`replayer.diff.compare_results`,
-the rule ``diff`` uses.
+the rule ``diff`` uses, read through a predicate (``--on``): ``any`` (the
+default: an outcome or, with a connector, a store key or lookup), ``outcomes``
+(cached tokens and their local/external split only) or ``store`` (keys written
+on one side only, lookups whose hit differs; :mod:`replayer.store_diff`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,13 @@ from .diff import EngineDiff, compare_results
 from .engines import EngineError, EngineInfo
 from .replay import ReplayResult
 
+# --on: which differences make an engine "differ from good"
+PREDICATES: dict[str, Callable[[EngineDiff], bool]] = {
+    "any": lambda d: d.identical,
+    "outcomes": lambda d: d.outcomes_identical,
+    "store": lambda d: d.store_identical,
+}
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -35,6 +45,7 @@ class Probe:
     engine: EngineInfo
     cached_tokens: int
     matched_good: bool
+    store_keys: int | None = None   # distinct keys written (None: no connector)
 
 
 @dataclass
@@ -45,22 +56,34 @@ class BisectResult:
     change: EngineDiff | None = None       # last matching engine vs first differing one
 
 
+def _store_keys(res: ReplayResult) -> int | None:
+    if res.store is None:
+        return None
+    return len({r["key"] for r in res.store["rows"]
+                if r["op"] == "put" and r["result"] is not None and r["result"] >= 0})
+
+
 def search(candidates: Sequence[Any], replay_one: Callable[[Any], ReplayResult],
-           on_probe: Callable[[Probe], None] | None = None) -> BisectResult:
+           on_probe: Callable[[Probe], None] | None = None, on: str = "any") -> BisectResult:
     """Binary search over ``candidates`` (good first, bad last) for the first that differs.
 
-    ``on_probe`` hears of each engine as soon as it is replayed (a replay on a
-    release takes 10-35 s, so the command line prints each as it comes)."""
+    ``on`` names the predicate (:data:`PREDICATES`). ``on_probe`` hears of each
+    engine as soon as it is replayed (a replay on a release takes 10-35 s, so
+    the command line prints each as it comes)."""
     if len(candidates) < 2:
         raise EngineError("bisect needs a good and a different bad engine")
+    if on not in PREDICATES:
+        raise EngineError(f"bisect --on {on}: not one of {', '.join(PREDICATES)}")
+    matches = PREDICATES[on]
     out = BisectResult(line=len(candidates))
     results: dict[int, ReplayResult] = {}
 
     def probe(i: int, role: str) -> bool:
         res = replay_one(candidates[i])
         results[i] = res
-        same = i == 0 or compare_results(results[0], res).identical
-        out.path.append(Probe(i, role, res.engine, res.summary()["cached_tokens"], same))
+        same = i == 0 or matches(compare_results(results[0], res))
+        out.path.append(Probe(i, role, res.engine, res.summary()["cached_tokens"], same,
+                              _store_keys(res)))
         if on_probe is not None:
             on_probe(out.path[-1])
         return same
@@ -142,7 +165,8 @@ def header_line(engines: int, what: str) -> str:
 def probe_line(p: Probe) -> str:
     verdict = "the reference" if p.role == "good" else (
         "matches good" if p.matched_good else "differs from good")
-    return f"  {p.role:<4}  {p.engine.label}  cached {p.cached_tokens}  {verdict}"
+    keys = "" if p.store_keys is None else f"  keys {p.store_keys}"
+    return f"  {p.role:<4}  {p.engine.label}  cached {p.cached_tokens}{keys}  {verdict}"
 
 
 def conclusion(res: BisectResult) -> str:

@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--json", metavar="OUT", help="write results as JSON ('-' for stdout)")
     run.add_argument("--store-ops", metavar="OUT.parquet",
                      help="write every store operation as a store_ops table (connector traces)")
+    run.add_argument("--kv-events", metavar="OUT.parquet",
+                     help="turn vLLM's KV-cache events on and write them as a kv_events table "
+                          "(--json then holds their summary)")
     engine_opts(run)
     set_opt(run)
 
@@ -144,6 +147,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="an engine that differs: vllm==X.Y.Z, or a commit with --tree")
     bis.add_argument("--tree", metavar="PATH",
                      help="bisect over the commits of this vLLM git checkout")
+    bis.add_argument("--on", choices=("any", "outcomes", "store"), default="any",
+                     help="what must differ from good: any (default), outcomes (cached "
+                          "tokens), store (keys written, lookups; connector traces)")
     engine_opts(bis, engine=False)
 
     comp = sub.add_parser("compile", help="compile a scenario into a trace directory")
@@ -266,6 +272,8 @@ def cmd_run(args) -> int:
     if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
     _check_store_applies(args, [trace])
+    if args.kv_events:
+        trace.kv_events_wanted = True
     # --json FILE in this process: outcomes spooled as they complete, never all held.
     spool = (SpooledJson() if args.json and args.json != "-" and resolve(spec).runs_here()
              else None)
@@ -277,6 +285,11 @@ def cmd_run(args) -> int:
         from traces import schema
 
         write_table_atomic(args.store_ops, schema.STORE_OPS, result.store["rows"])
+    if args.kv_events:
+        from traces.trace import write_table_atomic
+        from traces import schema
+
+        write_table_atomic(args.kv_events, schema.KV_EVENTS, result.kv_events or [])
     if args.json == "-":
         sys.stdout.write(dumps(result))
     elif spool is not None:
@@ -295,6 +308,8 @@ def _check_outputs(args) -> None:
         check_output_file(args.json, "--json")
     if getattr(args, "store_ops", None):
         check_output_file(args.store_ops, "--store-ops")
+    if getattr(args, "kv_events", None):
+        check_output_file(args.kv_events, "--kv-events")
 
 
 def _check_store_applies(args, traces) -> None:
@@ -549,6 +564,9 @@ def cmd_bisect(args) -> int:
 
     trace = load_target(args.target)
     _check_store_applies(args, [trace])
+    if args.on == "store" and not trace.engine.connector:
+        return _err(f"{args.target}: bisect --on store needs a trace with a connector "
+                    "(engine.connector)")
 
     def replay_on(spec):
         with engine_runner(spec) as run:        # each engine's process ends with its replay
@@ -557,13 +575,13 @@ def cmd_bisect(args) -> int:
     if args.tree is None:
         line = release_line(args.good, args.bad)
         say(header_line(len(line), "releases"))
-        res = search(line, replay_on, on_probe=lambda p: say(probe_line(p)))
+        res = search(line, replay_on, on_probe=lambda p: say(probe_line(p)), on=args.on)
     else:
         commits = CommitLine(args.tree, args.good, args.bad)
         try:
             say(header_line(len(commits.commits), f"commits of {commits.tree}"))
             res = search(commits.commits, lambda c: replay_on(commits.engine(c)),
-                         on_probe=lambda p: say(probe_line(p)))
+                         on_probe=lambda p: say(probe_line(p)), on=args.on)
         finally:
             commits.close()
     say(conclusion(res))
@@ -665,6 +683,12 @@ def cmd_info(args) -> int:
     for key, expect in sorted(trace.store_goldens.items()):
         puts, lookups = STORE.count(expect)
         print(f"store goldens for {label(key)}: {puts} keys, {lookups} lookups")
+    from traces.event_goldens import EVENTS
+
+    for key, expect in sorted(trace.event_goldens.items()):
+        stored, skipped, removed, cleared = EVENTS.count(expect)
+        print(f"kv event goldens for {label(key)}: {stored} stored, {skipped} skipped, "
+              f"{removed} removed, {cleared} cleared")
     return EXIT_OK
 
 

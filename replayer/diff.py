@@ -4,10 +4,9 @@ The outcome of a request is what its goldens compare: the cached tokens and
 their local/external split (:meth:`RequestOutcome.hits`). :func:`compare_results`
 is the one definition of "two engines differ"; ``bisect`` uses it too.
 
-Keys written by only one side (by group and boundary) belong here as well,
-once connector replay runs on releases and source trees: today a trace with a
-connector replays on the installed vLLM only, so two engines never both carry
-a store report, and :class:`EngineDiff` has no store part yet.
+With a connector, the store is compared too (:mod:`replayer.store_diff`): keys
+written on one side only, named as store goldens name them (first request,
+group, boundary), and lookups whose hit length differs.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import Any
 
 from .engines import EngineInfo
 from .replay import ReplayResult
+from .store_diff import StoreDiff, compare_stores, store_lines
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,19 @@ class EngineDiff:
     gained: int                      # requests with more cached tokens on B
     lost: int                        # requests with fewer
     tokens_gained: int               # B's cached tokens minus A's, over all requests
+    store: StoreDiff | None = None   # None: neither side ran a connector
+
+    @property
+    def outcomes_identical(self) -> bool:
+        return not self.differing
+
+    @property
+    def store_identical(self) -> bool:
+        return self.store is None or self.store.identical
 
     @property
     def identical(self) -> bool:
-        return not self.differing
+        return self.outcomes_identical and self.store_identical
 
     @property
     def unchanged(self) -> int:
@@ -58,8 +67,11 @@ class EngineDiff:
                 "unchanged": self.unchanged, "tokens_gained": self.tokens_gained}
 
     def as_dict(self) -> dict[str, Any]:
-        return {"a": self.a.as_dict(), "b": self.b.as_dict(), "identical": self.identical,
-                "requests": [d.as_dict() for d in self.differing], "summary": self.summary()}
+        out = {"a": self.a.as_dict(), "b": self.b.as_dict(), "identical": self.identical,
+               "requests": [d.as_dict() for d in self.differing], "summary": self.summary()}
+        if self.store is not None:
+            out["store"] = self.store.as_dict()
+        return out
 
 
 def compare_results(a: ReplayResult, b: ReplayResult) -> EngineDiff:
@@ -79,7 +91,8 @@ def compare_results(a: ReplayResult, b: ReplayResult) -> EngineDiff:
         gained += delta > 0
         lost += delta < 0
         tokens += delta
-    return EngineDiff(a.engine, b.engine, len(a.requests), differing, gained, lost, tokens)
+    return EngineDiff(a.engine, b.engine, len(a.requests), differing, gained, lost, tokens,
+                      store=compare_stores(a.store, b.store))
 
 
 def _fmt(v: int | None, sign: bool = False) -> str:
@@ -114,9 +127,11 @@ def diff_table(d: EngineDiff) -> str:
         out.append("")
     out.append(f"A: {d.a.label}")
     out.append(f"B: {d.b.label}")
-    if d.identical:
+    if d.outcomes_identical:
         out.append(f"identical: {d.requests} requests, the same outcome on A and B")
     else:
         out.append(f"{d.requests} requests: {d.gained} gained, {d.lost} lost, "
                    f"{d.unchanged} unchanged; tokens gained on B: {d.tokens_gained:+d}")
+    if d.store is not None:
+        out.extend(store_lines(d.store))
     return "\n".join(out)

@@ -73,6 +73,7 @@ def compare(recorded: Trace, fresh: Trace) -> list[str]:
             y = b[first] if first < len(b) else None
             diffs.append(f"steps: {len(a)} recorded rows, {len(b)} replayed; first difference at "
                          f"row {first}: recorded {x}, replayed {y}")
+    diffs += _compare_kv_events(recorded, fresh)
     if recorded.store_ops is not None:
         ocols = ("op", "key", "group", "result")
         keep = lambda rows: Counter(r for r in rows if r[0] in STORE_OPS_COMPARED)  # noqa: E731
@@ -85,6 +86,25 @@ def compare(recorded: Trace, fresh: Trace) -> list[str]:
         for row, n in sorted((b - a).items(), key=str)[:MAX_LINES]:
             diffs.append(f"store: replayed {row[0]} {row[1:]} x{n} not in the recording")
     return diffs
+
+
+def _compare_kv_events(recorded: Trace, fresh: Trace) -> list[str]:
+    """The KV-cache events, block by block in published order (hashes too, unless
+    the recording was anonymised)."""
+    if recorded.kv_events is None:
+        return []
+    cols = ("step", "event", "group", "boundary", "kept", "request")
+    if not (recorded.header.get("source") or {}).get("anonymized"):
+        cols += ("hash",)
+    order = lambda t: t.sort_by("order") if t is not None else None  # noqa: E731
+    a, b = _rows(order(recorded.kv_events), cols), _rows(order(fresh.kv_events), cols)
+    if a == b:
+        return []
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    x = a[first] if first < len(a) else None
+    y = b[first] if first < len(b) else None
+    return [f"kv_events: {len(a)} recorded block(s), {len(b)} replayed; first difference at "
+            f"row {first}: recorded {x}, replayed {y}"]
 
 
 def check_against_recorded(trace: Trace, store: Any = None,
@@ -106,6 +126,8 @@ def check_against_recorded(trace: Trace, store: Any = None,
         parts.append(f"{trace.steps.num_rows} step row(s)")
     if trace.store_ops is not None:
         parts.append(f"{trace.store_ops.num_rows} store op(s)")
+    if trace.kv_events is not None:
+        parts.append(f"{trace.kv_events.num_rows} kv event block(s)")
     what = ", ".join(parts)
     if not diffs:
         return [f"replay matches the recording: {what}"], True, result

@@ -17,6 +17,7 @@ from typing import Any
 
 from traces import Trace
 from traces.errors import TraceError
+from traces.event_goldens import EVENTS, compare_events, from_rows
 from traces.golden_kind import ANY_ENGINE, GoldenKind, key_to_update, label, select
 from traces.goldens import REQUEST, compare
 from traces.scenario import compile_scenario, is_scenario_path
@@ -32,6 +33,8 @@ def observed(kind: GoldenKind, result: ReplayResult) -> Any:
     """What a replay produced, in ``kind``'s terms (None: nothing of that kind)."""
     if kind is REQUEST:
         return result.requests
+    if kind is EVENTS:
+        return None if result.kv_events is None else from_rows(result.kv_events)
     if result.store is None:
         return None
     return from_report(result.store["rows"], result.store["lookups"])
@@ -53,6 +56,31 @@ def _check_store(trace: Trace, result: ReplayResult) -> tuple[list[str], bool]:
     return lines, False
 
 
+# Event differences listed in a report; the rest are counted.
+MAX_EVENT_LINES = 12
+
+
+def _check_events(trace: Trace, result: ReplayResult) -> tuple[list[str], bool]:
+    chosen = select(trace.event_goldens, result.engine.key)
+    if chosen is None:
+        return [], True
+    key, expect = chosen
+    got = observed(EVENTS, result)
+    if got is None:
+        return [f"  kv events: the engine published no KV-cache events to check against the "
+                f"event goldens for {label(key)}"], False
+    diffs = compare_events(expect, got)
+    if not diffs:
+        stored, skipped, removed, cleared = EVENTS.count(expect)
+        return [f"  kv events: {stored} stored, {skipped} skipped, {removed} removed block(s) "
+                f"and {cleared} clear(s) match the event goldens for {label(key)}"], True
+    lines = [f"  kv events: {len(diffs)} difference(s) against the event goldens for {label(key)}"]
+    lines += [f"    {d.describe()}" for d in diffs[:MAX_EVENT_LINES]]
+    if len(diffs) > MAX_EVENT_LINES:
+        lines.append(f"    ... {len(diffs) - MAX_EVENT_LINES} more")
+    return lines, False
+
+
 def engine_key_of(spec: Any) -> str:
     """The key an engine's goldens are filed under (``vllm==X.Y.Z``), from a parsed
     spec (:func:`replayer.engines.specs.parse_spec`): known before it runs or is fetched."""
@@ -68,16 +96,17 @@ def has_goldens(trace: Trace, key: str) -> bool:
 
 def said_before_replay(spec: Any, trace: Trace) -> bool:
     """Whether "no goldens" may be said of ``trace`` before any replay: not when the
-    engine will refuse it anyway (connector replay on a release or tree, refused by
+    engine may refuse it anyway (connector replay on a release no store adapter
+    serves, or on a tree whose release is not known yet, refused by
     :class:`replayer.engine_process.EngineProcess`, which ``check`` reports as SKIP;
-    nor when the release lacks a setting the trace needs, see
-    :func:`replayer.engines.check_supported`)."""
+    or a setting the release lacks, see :func:`replayer.engines.check_supported`)."""
     from .engines import UnsupportedByEngine, check_supported, installed_vllm_version
 
-    if spec.kind != "installed" and trace.engine.connector:
-        return False
+    version = installed_vllm_version() if spec.kind == "installed" else spec.version
+    if version is None:
+        return not trace.engine.connector
     try:
-        check_supported(spec.version or installed_vllm_version(), trace.engine, spec.text)
+        check_supported(version, trace.engine, spec.text)
     except UnsupportedByEngine:
         return False
     return True
@@ -99,9 +128,10 @@ def check(path: Path, trace: Trace, result: ReplayResult) -> tuple[list[str], bo
     golden_key, expect = chosen
     mismatches = compare(expect, result.requests)
     store_lines, store_ok = _check_store(trace, result)
+    event_lines, events_ok = _check_events(trace, result)
     head = check_report(str(path), engine_key, golden_key, mismatches, result, trace.engine,
-                        len(expect), store_ok=store_ok)
-    return [head, *store_lines], not mismatches and store_ok
+                        len(expect), store_ok=store_ok, events_ok=events_ok)
+    return [head, *store_lines, *event_lines], not mismatches and store_ok and events_ok
 
 
 def _new_goldens(path: Path, trace: Trace, result: ReplayResult,
@@ -120,6 +150,11 @@ def _new_goldens(path: Path, trace: Trace, result: ReplayResult,
     if got is not None:
         key = key_to_update(trace.store_goldens, engine_key) if scenario else engine_key
         out[STORE] = (key, got)
+    got = observed(EVENTS, result)
+    if got is not None:
+        key = key_to_update(trace.event_goldens, engine_key) if scenario else engine_key
+        out[EVENTS] = (key, EVENTS.updated(trace.event_goldens.get(key), got,
+                                           whole=not scenario))
     return out
 
 
@@ -162,4 +197,6 @@ def update(path: Path, trace: Trace, result: ReplayResult) -> list[str]:
              "committing"]
     if STORE in new:
         lines.append(f"UPDATED {path}: store goldens rewritten in {where[STORE]}")
+    if EVENTS in new:
+        lines.append(f"UPDATED {path}: kv event goldens rewritten in {where[EVENTS]}")
     return lines

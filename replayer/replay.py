@@ -49,6 +49,9 @@ class ReplayResult:
     steps: int
     # Store operations and lookups when the trace has a connector (see store_json).
     store: dict[str, Any] | None = None
+    # vLLM's KV-cache events, one kv_events row per block, when the trace asked
+    # for them (replayer.kv_event_collector); their summary is in the JSON.
+    kv_events: list[dict[str, Any]] | None = None
     # vLLM's KV-cache groups in its own order (kind, EAGLE drop), when the adapter tells.
     kv_groups: list[dict[str, Any]] | None = None
     # Tokens every prefix hit is a multiple of (vLLM's cache_hit_alignment_tokens),
@@ -96,7 +99,28 @@ class ReplayResult:
             out["kv_groups"] = self.kv_groups
         if self.store is not None:
             out["store"] = store_json(self.store)
+        if self.kv_events is not None:
+            out["kv_events"] = kv_events_json(self.kv_events)
         return out
+
+
+def kv_events_json(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The KV-event part of ``--json``: blocks per event kind, and per first request
+    and group the boundaries stored, skipped (not kept) and removed, as the
+    event goldens hold them (traces.event_goldens)."""
+    from traces.event_goldens import SECTIONS, from_rows
+
+    summary = from_rows(rows)
+    counts: dict[str, int] = {}
+    for r in rows:
+        name = r["event"] + (" (not kept)" if r["kept"] is False else "")
+        counts[name] = counts.get(name, 0) + 1
+    out: dict[str, Any] = {"blocks": dict(sorted(counts.items()))}
+    for section in SECTIONS:
+        out[section] = {rid: {str(g): bs for g, bs in groups.items()}
+                        for rid, groups in summary[section].items()}
+    out["cleared"] = summary["cleared"]
+    return out
 
 
 def store_json(report: dict[str, Any]) -> dict[str, Any]:
@@ -284,6 +308,7 @@ def replay(trace: Trace, engine: EngineAdapter,
     hand_on()
     return ReplayResult(engine=engine.info, requests=kept,
                         steps=steps_run, store=engine.store_report(),
+                        kv_events=engine.kv_event_rows(),
                         kv_groups=engine.kv_groups(), notes=list(engine.notes),
                         streamed=None if sink is None else totals,
                         hit_alignment=engine.hit_alignment(), lookups=engine.lookups(),

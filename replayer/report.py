@@ -74,12 +74,14 @@ def explain_gap(expected: int, actual: int, engine: EngineBlock) -> str:
 
 def check_report(target: str, engine_key: str, golden_key: str, mismatches: list[Mismatch],
                  result: ReplayResult, engine: EngineBlock, checked: int,
-                 store_ok: bool = True) -> str:
-    """The check's first line (PASS, or FAIL when requests or the store differ),
-    then each mismatch explained."""
+                 store_ok: bool = True, events_ok: bool = True) -> str:
+    """The check's first line (PASS, or FAIL when requests, the store or the
+    KV-cache events differ), then each mismatch explained."""
     golden_key = label(golden_key)
     if not mismatches:
         verdict, but = ("PASS", "") if store_ok else ("FAIL", ", but the store does not")
+        if store_ok and not events_ok:
+            verdict, but = "FAIL", ", but the KV-cache events do not"
         total = len(result.requests)
         if checked < total:                         # goldens may name only some requests
             return (f"{verdict} {target}: {checked} of {total} request(s) have goldens for "

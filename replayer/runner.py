@@ -39,7 +39,8 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
     engine = trace.sized_engine()
     with engine_hash_seed(engine.hash_seed):
         adapter = open_engine(engine, resolve(spec), store=store,
-                              record_dir=None if record_dir is None else str(record_dir))
+                              record_dir=None if record_dir is None else str(record_dir),
+                              kv_events=trace.collects_kv_events)
     try:
         yield adapter
     finally:

@@ -211,25 +211,37 @@ def test_release_cache_starts_from_nothing(tmp_path, monkeypatch, capsys):
                 and not p.name.endswith(".lock")]
 
 
-def test_connector_trace_on_a_release_is_refused_plainly(tmp_path):
-    """No store adapter serves 0.29: run says so, check skips the target."""
+def test_every_release_range_has_a_store_adapter_and_others_are_refused_plainly():
+    """One store adapter serves 0.29-0.33 (its seams are the same there: see
+    tests/test_store_releases.py); a release no store adapter serves is refused
+    by name, before any vLLM import."""
+    from replayer.engines import (ADAPTERS, STORE_ADAPTERS, UnsupportedByEngine,
+                                  check_connector)
+
+    assert set(STORE_ADAPTERS) == set(ADAPTERS)
+    for version in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.33.2"):
+        check_connector(version, "mooncake_store", f"vllm {version}")
+    check_connector("0.34.0", None, "vllm 0.34.0")           # no connector: nothing to serve
+    with pytest.raises(UnsupportedByEngine, match=(
+            r"^vllm 0.34.0: connector replay \(mooncake_store\) is not supported on vLLM "
+            r"0.34.0 yet \(its MooncakeStore API differs; replayed on 0.29.x, ")):
+        check_connector("0.34.0", "mooncake_store", "vllm 0.34.0")
+
+
+def test_connector_trace_without_goldens_for_a_release_is_not_replayed(tmp_path):
+    """A release the store adapter serves would replay it: "no goldens" is said first,
+    and nothing is fetched."""
     scenario = tmp_path / "store.yaml"
     scenario.write_text("engine: {block_size: 16, connector: mooncake_store}\n"
-                        "requests:\n  - {id: a, prompt: [{stream: s, len: 40}]}\n")
-    fake_wheel(tmp_path / "index", "0.29.0")       # nothing of vLLM is imported on this path
-    env = {"PREFIX_REPLAYER_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
-           "PIP_FIND_LINKS": str(tmp_path / "index")}
-    needle = ("vllm 0.29.0 (release): connector replay (mooncake_store) is not supported on "
-              "vLLM 0.29.0 yet (its MooncakeStore API differs; replayed on 0.32.x, 0.33.x)")
-    # The first use fetches the release, and says so on stderr; nothing else is said.
-    proc = cli("check", scenario, "--engine", "vllm==0.29.0", env=env)
-    assert (proc.returncode, proc.stdout) == (0, f"SKIP {scenario}: {needle}\n")
-    fetch_lines = proc.stderr.splitlines()
-    assert fetch_lines and all(line.startswith("replayer: fetching vllm==0.29.0: ")
-                               for line in fetch_lines), proc.stderr
-    assert_bad_input(cli("run", scenario, "--engine", "vllm==0.29.0", env=env), needle)
-    proc = cli("check", scenario, "--engine", "vllm==0.29.0", env=env)
-    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"SKIP {scenario}: {needle}\n", "")
+                        "requests:\n  - {id: a, prompt: [{stream: s, len: 40}]}\n"
+                        "expect:\n  \"vllm==0.33.0\": {a: {num_cached_tokens: 0}}\n")
+    cache = tmp_path / "cache"
+    proc = cli("check", scenario, "--engine", "vllm==0.31.0",
+               env={"PREFIX_REPLAYER_CACHE": str(cache), "PIP_NO_INDEX": "1"})
+    assert (proc.returncode, proc.stderr) == (1, "")
+    assert proc.stdout == (f"FAIL {scenario}: no goldens for engine vllm==0.31.0 (record them "
+                           "with --update-golden); not replayed\n")
+    assert not cache.exists()
 
 
 # --- bisect: the line and the search ----------------------------------------------------

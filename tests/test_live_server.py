@@ -31,6 +31,9 @@ pytestmark = pytest.mark.live_server
 # Fewer requests than the committed fixtures (fixtures/traces/live_*): the
 # same configurations, sized so the three take a few minutes here.
 STREAMS = {"llama": 120, "eagle": 40, "qwen3-next": 20}
+# Recorded with vLLM's KV-cache events on (record_live --kv-events): the hybrid,
+# whose GDN groups keep fewer blocks than each BlockStored covers.
+KV_EVENTS = {"qwen3-next"}
 
 
 def run(*args: object, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -53,7 +56,7 @@ def serve_venv() -> Path:
 def test_live_recording_agrees_three_ways_on_every_request(serve_venv, tmp_path, config):
     out = tmp_path / config
     proc = run("tools/record_live.py", "record", "--config", config, "--out", out,
-               "--requests", STREAMS[config])
+               "--requests", STREAMS[config], *(["--kv-events"] if config in KV_EVENTS else []))
     assert proc.returncode == 0, f"recording {config} failed:\n{proc.stdout}\n{proc.stderr}"
     print(proc.stdout)
 
@@ -80,6 +83,13 @@ def test_live_recording_agrees_three_ways_on_every_request(serve_venv, tmp_path,
     print(fidelity.stdout)
     assert fidelity.returncode == 0, fidelity.stdout + fidelity.stderr
     assert f"replay matches the recording: {n} outcome(s)" in fidelity.stdout
+    if config in KV_EVENTS:
+        # Every block the live server published, replayed block by block, hashes too.
+        kept = trace.kv_events["kept"].to_pylist()
+        assert True in kept and False in kept
+        assert f"{trace.kv_events.num_rows} kv event block(s)" in fidelity.stdout
+    else:
+        assert trace.kv_events is None
 
 
 def test_a_server_that_cannot_start_fails_in_one_line_with_its_log_tail(serve_venv, tmp_path):

@@ -41,7 +41,7 @@ def record(args) -> int:
                              start=args.start, time_scale=args.time_scale)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = args.log or out.parent / f"{out.name}.serve.log"
-    server = Server(cfg, out, log, args.port)
+    server = Server(cfg, out, log, args.port, kv_events=args.kv_events)
     try:
         server.start(args.ready_timeout)
         print(f"{cfg.name}: vllm serve ready in {server.startup_s:.0f} s", flush=True)
@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="stream length (default: the configuration's fixture length)")
     rec.add_argument("--start", type=int, default=0, help="first request of the Mooncake slice")
     rec.add_argument("--concurrency", type=int, default=4)
+    rec.add_argument("--kv-events", action="store_true",
+                     help="turn vLLM's KV-cache events on; the recording gets a kv_events table")
     rec.add_argument("--time-scale", type=float, default=0.5,
                      help="multiplies the trace's arrival times")
     rec.add_argument("--port", type=int, default=8011)

@@ -20,6 +20,7 @@ from . import schema
 from .errors import TraceError, require_int
 from .golden_kind import ANY_ENGINE, GoldenKind, select
 from .outcome import RequestOutcome
+from .event_goldens import EVENTS
 from .store_goldens import STORE
 
 __all__ = ["ANY_ENGINE", "EXPECT_FIELDS", "KINDS", "REQUEST", "Mismatch", "compare",
@@ -91,12 +92,12 @@ class RequestGoldens(GoldenKind):
 
 
 REQUEST = RequestGoldens()
-KINDS: tuple[GoldenKind, ...] = (REQUEST, STORE)
+KINDS: tuple[GoldenKind, ...] = (REQUEST, STORE, EVENTS)
 
 
 def kind_of_file(name: str) -> GoldenKind:
-    """The kind a table in ``golden/`` holds, by its name."""
-    return STORE if STORE.owns_file(name) else REQUEST
+    """The kind a table in ``golden/`` holds, by its name (request goldens: no prefix)."""
+    return next((k for k in KINDS if k.file_prefix and k.owns_file(name)), REQUEST)
 
 
 @dataclass(frozen=True)

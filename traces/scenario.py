@@ -23,7 +23,8 @@ from .tokens import stream_tokens
 from .trace import Trace
 from .validate import validate_trace
 
-TOP_KEYS = ("engine", "requests", "events", "expect", "expect_store", "description")
+TOP_KEYS = ("engine", "requests", "events", "expect", "expect_store", "expect_events",
+            "description")
 REQUEST_KEYS = ("id", "prompt", "output_len", "after", "arrival_step", "cache_salt",
                 "priority")
 SPAN_KEYS = ("stream", "start", "len")

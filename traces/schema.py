@@ -119,7 +119,30 @@ STORE_OPS = Table("store_ops", (
 GOLDEN = Table("golden", (OUTCOMES.columns[0],) + tuple(
     Column(c.name, c.type, nullable=True) for c in OUTCOMES.columns[1:]))
 
-TABLES = {t.name: t for t in (REQUESTS, EVENTS, OUTCOMES, STEPS, STORE_OPS)}
+# The KV-cache events vLLM publishes (BlockStored / BlockRemoved /
+# AllBlocksCleared, what routers such as llm-d and Dynamo consume), one row per
+# block: its hash named by meaning (group, token boundary, first request), so a
+# stream compares across hash seeds. See replayer/kv_event_collector.py.
+KV_EVENTS = Table("kv_events", (
+    Column("step", pa.int64(), doc="engine step (schedule() calls before it) whose "
+                                   "update_from_output published the batch"),
+    Column("order", pa.int64(), doc="position in the published stream"),
+    Column("event", pa.string(), doc="BlockStored | BlockRemoved | AllBlocksCleared"),
+    Column("group", pa.int64(), nullable=True, doc="KV-cache group (vLLM's group_idx)"),
+    Column("boundary", pa.int64(), nullable=True,
+           doc="token boundary the block ends at; null for AllBlocksCleared"),
+    Column("kept", pa.bool_(), nullable=True,
+           doc="BlockStored: true for a block vLLM kept, false for one inside the event's "
+               "token range it did not keep (sparse Mamba retention, outside a window); "
+               "else null"),
+    Column("request", pa.string(), required=False, nullable=True,
+           doc="first request whose tokens hold this block's prefix"),
+    Column("hash", pa.string(), required=False, nullable=True,
+           doc="the block hash, hex (null for a block not kept, or anonymised)"),
+    Column("medium", pa.string(), required=False, nullable=True, doc="GPU, CPU, ..."),
+))
+
+TABLES = {t.name: t for t in (REQUESTS, EVENTS, OUTCOMES, STEPS, STORE_OPS, KV_EVENTS)}
 
 EVENT_ACTIONS = ("reset_prefix_cache", "abort")
 
@@ -131,4 +154,15 @@ GOLDEN_STORE = Table("golden_store", (
     Column("group", pa.int64(), nullable=True),
     Column("boundary", pa.int64(), nullable=True, doc="put: token boundary of the key"),
     Column("hit_length", pa.int64(), nullable=True, doc="lookup: tokens the store had"),
+))
+
+# KV-event goldens: per section (stored, skipped, removed) one row per first
+# request, group and boundary with how many times; plus one ``cleared`` row
+# counting AllBlocksCleared. One table per engine (traces.event_goldens).
+GOLDEN_EVENTS = Table("golden_events", (
+    Column("kind", pa.string(), doc="stored | skipped | removed | cleared"),
+    Column("request", pa.string(), nullable=True),
+    Column("group", pa.int64(), nullable=True),
+    Column("boundary", pa.int64(), nullable=True),
+    Column("count", pa.int64(), doc="how many times; cleared: AllBlocksCleared events"),
 ))

@@ -37,10 +37,16 @@ class Trace:
     outcomes: pa.Table | None = None
     steps: pa.Table | None = None
     store_ops: pa.Table | None = None
+    kv_events: pa.Table | None = None      # recorded KV-cache events (schema.KV_EVENTS)
     # engine key (e.g. "vllm==0.33.0", or "*" for any) -> request id -> field -> value
     goldens: Goldens = field(default_factory=dict)
     # engine key -> store golden (see traces.store_goldens); traces with a connector
     store_goldens: dict[str, Any] = field(default_factory=dict)
+    # engine key -> KV-event golden (see traces.event_goldens)
+    event_goldens: dict[str, Any] = field(default_factory=dict)
+    # Collect vLLM's KV-cache events in the replay even with no event goldens
+    # (``run --kv-events``); see :attr:`collects_kv_events`.
+    kv_events_wanted: bool = False
     path: Path | None = None
     # Half-written parts of a recorded trace (temporary names a kill left); skipped.
     skipped_parts: list[str] = field(default_factory=list)
@@ -63,6 +69,12 @@ class Trace:
         for these requests (:meth:`EngineBlock.sized_for`)."""
         total = pc.add(self.requests["num_prompt_tokens"], self.requests["output_len"])
         return self.engine.sized_for(int(pc.max(total).as_py()))
+
+    @property
+    def collects_kv_events(self) -> bool:
+        """Whether a replay turns vLLM's KV-cache events on: asked for, pinned by
+        goldens, or recorded (``check --against recorded`` compares them)."""
+        return self.kv_events_wanted or bool(self.event_goldens) or self.kv_events is not None
 
     def table(self, name: str) -> pa.Table | None:
         return getattr(self, name)

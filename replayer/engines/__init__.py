@@ -32,8 +32,16 @@ ADAPTERS: dict[str, str] = {
 
 
 # release prefix -> store adapter module, for releases whose MooncakeStore API
-# the replay drives (0.29-0.31's differs: no store adapter yet).
+# the replay drives. One module serves 0.29-0.33: what its seams touch (the
+# scheduler's LookupKeyClient, the lookup server's call into the worker, the
+# wire encoding, the worker's queues, the key format) is the same in all five;
+# what changed between them (where the worker puts boundary keys, #56615) is
+# vLLM code the replay runs as it is. A release range whose seams differ gets
+# its own module here.
 STORE_ADAPTERS: dict[str, str] = {
+    "0.29": "replayer.engines.mooncake_0_33",
+    "0.30": "replayer.engines.mooncake_0_33",
+    "0.31": "replayer.engines.mooncake_0_33",
     "0.32": "replayer.engines.mooncake_0_33",
     "0.33": "replayer.engines.mooncake_0_33",
 }
@@ -68,6 +76,13 @@ def check_supported(version: str, engine: EngineBlock, label: str) -> None:
         raise UnsupportedByEngine(f"{label}: engine.mamba_cache_mode 'all' is not in vLLM "
                                   f"{version} (its CacheConfig takes align or none; 'all' "
                                   f"replays on {served})")
+
+
+def store_adapter(version: str, connector: str, label: str) -> Any:
+    """The store adapter module serving ``version`` (refused as check_connector says)."""
+    check_connector(version, connector, label)
+    prefix = next(p for p in STORE_ADAPTERS if version == p or version.startswith(p + "."))
+    return importlib.import_module(STORE_ADAPTERS[prefix])
 
 
 def installed_vllm_version() -> str:
@@ -105,14 +120,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
-                record_dir: str | None = None) -> EngineAdapter:
+                record_dir: str | None = None, kv_events: bool = False) -> EngineAdapter:
     """Build the adapter for ``spec`` over a sized engine block, in this process.
 
     Called only by :mod:`replayer.runner`, which decides where an engine runs:
     ``spec`` is the installed vLLM or the sources this process imports (a
     child started by :mod:`replayer.engine_process`). ``store`` is a
     :class:`replayer.store.StoreSpec` for traces with a connector; ``record_dir``
-    records the replay there (:mod:`replayer.recorder`)."""
+    records the replay there (:mod:`replayer.recorder`); ``kv_events`` turns vLLM's
+    KV-cache events on and collects them (adapters with ``supports_kv_events``)."""
     if not spec.runs_here():
         raise EngineError(f"engine {spec.info.label} runs in a process of its own: replay it "
                           "through replayer.runner.engine_runner or the command line")
@@ -127,19 +143,25 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
         raise EngineError(f"{info.label}: importing vLLM failed: {type(exc).__name__}: "
                           f"{_first_line(exc)}") from exc
     try:
-        adapter = module.open_engine(engine, version, store=store, record_dir=record_dir)
+        adapter = module.open_engine(engine, version, store=store, record_dir=record_dir,
+                                     kv_events=kv_events)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         # vLLM validates geometry with ValueError/AssertionError (pydantic's too):
         # one line naming the engine field (replayer.engines.config_errors).
         from .config_errors import describe
 
         raise EngineError(describe(exc, version)) from exc
+    if kv_events and not adapter.supports_kv_events:
+        adapter.close()
+        raise UnsupportedByEngine(f"{info.label}: KV-cache events are not collected on "
+                                  f"vLLM {version} (its adapter lacks them)")
     adapter.info = info
     # Defaults the replayer chose where vLLM's would be refused are said first.
     adapter.notes = [*engine.chosen, *adapter.notes]
     return adapter
 
 
-__all__ = ["ADAPTERS", "STORE_ADAPTERS", "check_connector", "check_supported", "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
+__all__ = ["ADAPTERS", "STORE_ADAPTERS", "check_connector", "check_supported", "store_adapter",
+           "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
            "PrefillOutcome", "StepResult", "UnsupportedByEngine", "installed_vllm_version",
            "open_engine", "supported_ranges"]

@@ -153,6 +153,14 @@ class EngineAdapter(ABC):
         """vLLM's granularity of prefix hits (``cache_hit_alignment_tokens``), if known."""
         return None
 
+    #: Whether the adapter can turn vLLM's KV-cache events on and collect them
+    #: (``open_engine(kv_events=True)``); an adapter without refuses such a trace.
+    supports_kv_events: bool = False
+
+    def kv_event_rows(self) -> list[dict[str, Any]] | None:
+        """vLLM's published KV-cache events, one ``kv_events`` row per block (None: off)."""
+        return None
+
     def lookups(self) -> dict[str, tuple[int, int]] | None:
         """Each request's last prefix-cache lookup: (engine step, lookup number), if known."""
         return None

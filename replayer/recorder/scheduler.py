@@ -22,6 +22,11 @@ calls so far, the replayer's clock):
 * ``outcomes``: each request's ``prefill_stats`` (cached, local, external).
 * ``events``: successful ``reset_prefix_cache`` calls and aborts, at the
   step before which they happened.
+* ``kv_events``: where the server publishes KV-cache events
+  (``--kv-events-config '{"enable_kv_cache_events": true, ...}'``), every
+  block of every batch the scheduler publishes, named by group, boundary and
+  first request (:mod:`replayer.kv_event_collector`, which stands in front of
+  the configured publisher and hands every batch on to it).
 """
 
 from __future__ import annotations
@@ -155,6 +160,19 @@ class SchedulerRecorder:
             self._events.append({"after": None, "at_step": self.session.step,
                                  "action": "reset_prefix_cache", "target": None})
 
+    def watch_kv_events(self, scheduler: Any) -> None:
+        """Record the KV-cache events ``scheduler`` publishes, if it publishes any."""
+        cfg = getattr(scheduler, "kv_events_config", None)
+        if cfg is None or not cfg.enable_kv_cache_events:
+            return
+        from traces.schema import KV_EVENTS
+
+        from ..kv_event_collector import KvEventCollector
+
+        writer = self.session.add_table(KV_EVENTS)
+        # Published in update_from_output, after schedule() moved the clock on.
+        KvEventCollector(scheduler, step=lambda: self.session.step - 1, sink=writer.append)
+
     def close(self) -> None:
         """The last flush. Requests still running get no finish row: the reader
         ends them where the recording ended, as after a kill."""
@@ -171,6 +189,7 @@ class _Recording:
         out = self.record_to or record_dir(self.vllm_config)
         if out:
             self._recorder = SchedulerRecorder(out, self.vllm_config, self.kv_cache_config)
+            self._recorder.watch_kv_events(self)
 
     def add_request(self, request) -> None:
         super().add_request(request)

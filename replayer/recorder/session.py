@@ -106,6 +106,12 @@ class SchedulerSession:
         atexit.register(self.close)
         self._closed = False
 
+    def add_table(self, table: schema.Table) -> PartWriter:
+        """A table only some recordings have (``kv_events``), written like the others."""
+        writer = PartWriter(self.out, table, 0, **writer_options())
+        self.writers[table.name] = writer
+        return writer
+
     def add_boundaries(self, request_id: str, block_hashes) -> None:
         b = self.boundaries
         if b is None or len(b) >= MAX_BOUNDARIES:

@@ -1,0 +1,97 @@
+"""MooncakeStore connector replay on the releases 0.29.0-0.33.0 (vLLM #56615).
+
+One store adapter (replayer/engines/mooncake_0_33.py) serves every release:
+the first test reads each release's sources and fails if what its seams touch
+ever differs. The others replay the store fixtures on old releases, where the
+connector's own code differs: 0.30 and 0.31 write a prompt tail's attention KV
+at B (the layout #56615 fixed), 0.32 at B + H. Releases come from the wheel
+cache, fetched once (see tests/test_engines_replay.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import pytest
+
+from conftest import STORE_SCENARIOS, cli
+from replayer.engines.releases import KNOWN_RELEASES, release_sources
+
+pytestmark = pytest.mark.slow       # each engine process costs ~10 s of vLLM imports
+
+STORE_DIR = "distributed/kv_transfer/kv_connector/v1/mooncake/store"
+JUNCTION = STORE_SCENARIOS / "shared_prefix_junction.yaml"
+
+
+def _class_source(text: str, name: str) -> str:
+    tree = ast.parse(text)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    return ast.get_source_segment(text, node) or ""
+
+
+def test_what_the_store_seams_touch_is_the_same_in_every_release():
+    """The lookup client the replay replaces, the server call it makes instead, the wire
+    encoding, the queues it drains and the key form it parses: byte for byte."""
+    ref = release_sources("0.33.0") / STORE_DIR
+    ref_worker = (ref / "worker.py").read_text()
+    ref_client = _class_source(ref_worker, "LookupKeyClient")
+    assert "def lookup(" in ref_client and "def reset(" in ref_client
+    for version in KNOWN_RELEASES:
+        src = release_sources(version) / STORE_DIR
+        worker = (src / "worker.py").read_text()
+        assert _class_source(worker, "LookupKeyClient") == ref_client, version
+        assert (src / "protocol.py").read_text() == (ref / "protocol.py").read_text(), version
+        for line in ("block_hashes = BlobBlockHashes(blob, hash_len)",
+                     "result = self.store_worker.lookup(num_tokens, block_hashes)",
+                     "self.recv_request_queue: queue.Queue[ReqMeta] = queue.Queue()",
+                     "self.kv_send_thread = KVCacheStoreSendingThread("):
+            assert line in worker, (version, line)
+        assert 'f"@group:{key_metadata.group_id}"' in (src / "data.py").read_text(), version
+
+
+def test_diff_names_the_keys_that_moved_when_the_outcomes_agree(tmp_path):
+    """shared_prefix_junction misses on 0.31.0 and 0.32.0 alike, but the prompt tails'
+    attention KV moved from B (0.31) to B + H (0.32): diff says so, and exits 1."""
+    out = tmp_path / "diff.json"
+    proc = cli("diff", JUNCTION, "--engine", "vllm==0.31.0", "--engine", "vllm==0.32.0",
+               "--json", out)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [
+        "A: vllm 0.31.0 (release)",
+        "B: vllm 0.32.0 (release)",
+        "identical: 2 requests, the same outcome on A and B",
+        "store: 2 key(s) only on A, 2 only on B, 0 lookup(s) differ",
+        "  only on A: group 0 @ 8320 (user_b)",
+        "  only on A: group 0 @ 8832 (user_a)",
+        "  only on B: group 0 @ 8448 (user_b)",
+        "  only on B: group 0 @ 8960 (user_a)"]
+    data = json.loads(out.read_text())
+    assert data["identical"] is False and data["requests"] == []
+    assert data["store"] == {
+        "identical": False, "lookups": [],
+        "only_a": [{"request": "user_b", "group": 0, "boundary": 8320},
+                   {"request": "user_a", "group": 0, "boundary": 8832}],
+        "only_b": [{"request": "user_b", "group": 0, "boundary": 8448},
+                   {"request": "user_a", "group": 0, "boundary": 8960}]}
+
+
+def test_old_releases_check_the_store_fixtures_against_their_own_goldens():
+    for version in ("0.30.0", "0.31.0"):
+        proc = cli("check", "--engine", f"vllm=={version}", "fixtures/store")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.count("PASS ") == len(list(STORE_SCENARIOS.glob("*.yaml")))
+        assert (f"PASS fixtures/store/resend_after_reset.yaml: 6 request(s) match the goldens "
+                f"for vllm=={version} (engine vllm=={version})") in proc.stdout
+
+
+def test_bisect_on_outcomes_finds_nothing_where_only_the_keys_moved():
+    """The hits of shared_prefix_junction never change; its keys do (README: --on store)."""
+    proc = cli("bisect", JUNCTION, "--on", "outcomes", "--good", "vllm==0.31.0",
+               "--bad", "vllm==0.32.0")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [
+        "bisect over 2 releases:",
+        "  good  vllm 0.31.0 (release)  cached 0  keys 13  the reference",
+        "  bad   vllm 0.32.0 (release)  cached 0  keys 13  matches good",
+        "bad gives the same outcome as good: nothing to bisect"]
