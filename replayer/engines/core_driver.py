@@ -444,7 +444,15 @@ class CoreEngine(EngineAdapter):
         self._evict_targets = set(request_ids)
 
     def evict_cached_blocks(self, request: str | None, group: int | None) -> int:
-        return self._evictor().evict(request, group)
+        n = self._evictor().evict(request, group)
+        self._recorded({"action": "evict", "target": request, "group": group})
+        return n
+
+    def _recorded(self, event: dict[str, Any]) -> None:
+        """Tell a recorder installed on this engine about an event it cannot observe."""
+        recorder = getattr(self.scheduler, "_recorder", None)
+        if recorder is not None:
+            recorder.ran(event)
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache(reset_running_requests=False, reset_connector=False)

@@ -420,7 +420,10 @@ class StoreConnectorEngine(CoreEngine):
         if self.session is None:
             return super().store_remove(keys)
         self.session.recorder.step = self._step
-        return self.session.remove(keys)
+        removed = self.session.remove(keys)
+        self._recorded({"action": "store_remove", "keys": [
+            {"request": r, "group": g, "boundary": b} for r, g, b in keys]})
+        return removed
 
     def store_report(self) -> dict[str, Any] | None:
         """Store operations recorded so far (None without a connector)."""
