@@ -10,7 +10,8 @@ each slice (first 1,000 requests; the whole 12,031), it runs
   ``Request`` creation, ``schedule``, a fixed model output and
   ``update_from_output`` (the floor for the harness's own overhead),
 
-and prints wall seconds, speed-up over the trace's real time, steps, seconds
+and prints wall seconds, speed-up over the trace's real time, CPU seconds,
+start-up seconds (imports and building the engine), steps, seconds
 inside vLLM's ``schedule``/``update_from_output``, the harness's own seconds and
 its ratio to vLLM's, peak RSS and the hit rate; then the fast / step-by-step
 wall ratio and whether both wrote the same ``--json`` bytes ("identical: yes").
@@ -131,7 +132,7 @@ def main() -> None:
     slices = [1000] if args.quick else [1000, None]
     work = Path(tempfile.mkdtemp(prefix="replayer-bench-"))
     print(f"{'geometry':<27} {'requests':>8} {'mode':<12} {'wall s':>7} {'x real':>7} "
-          f"{'cpu s':>7} {'steps':>7} {'vllm s':>7} {'harness s':>9} {'ratio':>6} {'rss MB':>7} "
+          f"{'cpu s':>7} {'start s':>7} {'steps':>7} {'vllm s':>7} {'harness s':>9} {'ratio':>6} {'rss MB':>7} "
           f"{'hit':>6}")
     for name in args.geometry or list(GEOMETRIES):
         for limit in slices:
@@ -145,7 +146,7 @@ def main() -> None:
                 rows[mode] = r
                 harness = r["wall_s"] - r["vllm_s"]
                 print(f"{name:<27} {trace.requests.num_rows:>8} {mode:<12} {r['wall_s']:>7.1f} "
-                      f"{real_s / r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['steps']:>7} "
+                      f"{real_s / r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['startup_s']:>7.1f} {r['steps']:>7} "
                       f"{r['vllm_s']:>7.1f} "
                       f"{harness:>9.1f} {harness / r['vllm_s']:>6.2f} {r['peak_rss_mb']:>7.0f} "
                       f"{r['hit_rate']:>6.1%}", flush=True)

@@ -220,9 +220,10 @@ def _store_spec(args):
         raise StoreError(str(exc)) from None
 
 
-def _replay(target, args, run):
+def _replay(target, args, run, **sink):
     """Replay ``target`` on ``run`` (from :func:`replayer.runner.engine_runner`);
-    says each engine note once on stderr."""
+    says each engine note once on stderr. ``sink=``: outcomes streamed there
+    (a runner in this process)."""
     from .engines import EngineError
     from .engines.config_errors import BUILD_FAILED
     from .progress import ProgressBar
@@ -236,7 +237,7 @@ def _replay(target, args, run):
     try:
         # Only said when off, so runners that predate the option keep working.
         extra = {"shortcuts": False} if getattr(args, "no_shortcuts", False) else {}
-        result = run(target, progress=bar, store=store, **extra)
+        result = run(target, progress=bar, store=store, **extra, **sink)
     except EngineError as exc:
         if BUILD_FAILED in str(exc) and target.path is not None:   # name the file it came from
             raise TraceError(target.path, str(exc)) from None
@@ -254,7 +255,8 @@ def cmd_run(args) -> int:
     from .engines.specs import parse_spec
     from traces.atomic import write_atomic
 
-    from .report import dumps, run_table
+    from .engines.specs import resolve
+    from .report import SpooledJson, dumps, run_table
     from .runner import engine_runner
 
     spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
@@ -264,9 +266,12 @@ def cmd_run(args) -> int:
     if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
     _check_store_applies(args, [trace])
+    # --json FILE in this process: outcomes spooled as they complete, never all held.
+    spool = (SpooledJson() if args.json and args.json != "-" and resolve(spec).runs_here()
+             else None)
     with engine_runner(spec) as run:
-        result = _replay(trace, args, run)
-    print(run_table(result), file=sys.stderr if args.json == "-" else sys.stdout)
+        result = _replay(trace, args, run, **({} if spool is None else {"sink": spool}))
+    print(run_table(result, shown_of=spool), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.store_ops:
         from traces.trace import write_table_atomic
         from traces import schema
@@ -274,6 +279,9 @@ def cmd_run(args) -> int:
         write_table_atomic(args.store_ops, schema.STORE_OPS, result.store["rows"])
     if args.json == "-":
         sys.stdout.write(dumps(result))
+    elif spool is not None:
+        write_atomic(args.json, lambda tmp: spool.write(tmp, result))
+        spool.close()
     elif args.json:
         write_atomic(args.json, dumps(result))
     return EXIT_OK

@@ -21,8 +21,9 @@ that stopped short is sparse retention (state not kept there), a
 sliding-window group is the window; what no cause explains is
 ``unexplained``, reported, never folded into another cause. ``alignment``
 is the reachable prefix minus that floor. ``preemption`` is measured as
-what vLLM itself reports: 0.33 keeps a request's first scheduled prefill in
-``prefill_stats`` ("not post-preemption repeat prefills"), so a preemption
+what vLLM itself reports: where the adapter says its release keeps a
+request's first scheduled prefill in ``prefill_stats`` ("not post-preemption
+repeat prefills"; ``EngineAdapter.hits_are_first_prefill``), a preemption
 never changes a reported hit; what a preempted request's freed blocks cost
 others is eviction, counted as capacity.
 """
@@ -182,6 +183,17 @@ def _cached(result: ReplayResult) -> dict[str, int]:
     return {r.id: int(r.num_cached_tokens or 0) for r in result.requests}
 
 
+def preemption_evidence(result: ReplayResult) -> str:
+    """Why preemption is 0, from what the engine's adapter says of its hits."""
+    if result.hits_are_first_prefill:
+        return ("the engine reports a request's first scheduled prefill (vLLM's "
+                "prefill_stats skips post-preemption repeat prefills), so a preemption never "
+                "changes a reported hit; blocks it freed and others lost count as capacity")
+    return ("this engine's adapter does not say whether a preemption's repeat prefill can "
+            "change a reported hit, so preemption is not measured (0); blocks it freed and "
+            "others lost count as capacity")
+
+
 def _limiting_kind(request: Any, kv_groups: list[dict[str, Any]] | None,
                    actual: int, target: int) -> str:
     """Which cause vLLM's per-group lookup names for a hit short of ``target``."""
@@ -248,10 +260,7 @@ def explain(trace: Trace, run: Replayer, *,
         "what vLLM's per-group lookup on the last replay shows a sliding-window group could "
         "not serve" if "sliding_window" in kinds
         else "no sliding-window group in this geometry: nothing to measure")
-    evidence["preemption"] = ("vLLM 0.33 reports a request's first scheduled prefill "
-                              "(prefill_stats skips post-preemption repeat prefills), so a "
-                              "preemption never changes a reported hit; blocks it freed and "
-                              "others lost count as capacity")
+    evidence["preemption"] = preemption_evidence(base)
     evidence["unexplained"] = ("reachable minus actual minus every cause above; nonzero is a "
                                "finding")
     evidence.setdefault("capacity", "the KV cache already holds every request at once: "

@@ -60,6 +60,10 @@ class ReplayResult:
     # tell; not part of the JSON.
     lookups: dict[str, tuple[int, int]] | None = None
     finished_engine_step: dict[str, int] = field(default_factory=dict)
+    # Whether the engine reports a request's first scheduled prefill, so that a
+    # preemption never changes a hit (None: the adapter does not say); explain's
+    # preemption evidence.
+    hits_are_first_prefill: bool | None = None
     # Settings of the trace this engine does not have, and how it replayed
     # without them (older releases); said on stderr, never part of the JSON.
     notes: list[str] = field(default_factory=list)
@@ -225,6 +229,10 @@ def replay(trace: Trace, engine: EngineAdapter,
                 kept.append(out)
             else:
                 sink(out)
+                # Nothing reads it any more (explain keeps every outcome):
+                # memory follows the live requests.
+                finished_engine_step.pop(out.id, None)
+                engine.forget(out.id)
 
     def run_event(ev: Event) -> None:
         if ev.action == "reset_prefix_cache":
@@ -312,5 +320,6 @@ def replay(trace: Trace, engine: EngineAdapter,
                         streamed=None if sink is None else totals,
                         hit_alignment=engine.hit_alignment(), lookups=engine.lookups(),
                         finished_engine_step=finished_engine_step,
+                        hits_are_first_prefill=engine.hits_are_first_prefill(),
                         timings={"loop_s": time.perf_counter() - t_start,
                                  "vllm_s": engine.vllm_seconds()})

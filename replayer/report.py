@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from collections import deque
 from typing import IO, Any, Iterable
 
 from traces.engine_spec import EngineBlock
@@ -20,19 +22,26 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def run_table(result: ReplayResult, limit: int = TABLE_LIMIT) -> str:
+def run_table(result: ReplayResult, limit: int = TABLE_LIMIT,
+              shown_of: "SpooledJson | None" = None) -> str:
+    """The run's table; ``shown_of``: the outcomes went to that sink, which kept
+    the ones the table shows."""
     cols = ("id", *OUTCOME_FIELDS, "arrival_step", "finish_step")
     heads = ("request", "prompt", "cached", "local", "external", "arrived", "finished")
-    rows = result.requests
-    shown = rows if len(rows) <= limit else rows[: limit // 2] + rows[-limit // 2:]
+    if shown_of is None:
+        rows = result.requests
+        total = len(rows)
+        shown = rows if total <= limit else rows[: limit // 2] + rows[-limit // 2:]
+    else:
+        total, shown = shown_of.count, shown_of.shown()
     cells = [[_fmt(getattr(r, c)) for c in cols] for r in shown]
     widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(heads)]
     line = lambda vals: "  ".join(  # noqa: E731
         v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths)))
     out = [line(heads)]
     for k, c in enumerate(cells):
-        if len(rows) > limit and k == limit // 2:
-            out.append(f"... {len(rows) - limit} more requests (use --json for all) ...")
+        if total > limit and k == limit // 2:
+            out.append(f"... {total - limit} more requests (use --json for all) ...")
         out.append(line(c))
     s = result.summary()
     out.append("")
@@ -151,6 +160,47 @@ class JsonStream:
         for key, value in rest.items():
             self.out.write(f",\n  {json.dumps(key)}: " + _nested(value, 1))
         self.out.write("\n}\n")
+
+
+class SpooledJson:
+    """``run --json FILE``'s sink: outcomes go to a spool file as they complete,
+    so the replay holds none of them (only the few the run table shows); then
+    :meth:`write` puts :func:`dumps`'s bytes into the output (the engine, which
+    leads the JSON, is known only once the replay has run)."""
+
+    def __init__(self, limit: int = TABLE_LIMIT) -> None:
+        self.spool = tempfile.TemporaryFile("w+", encoding="utf-8")
+        self.count = 0
+        self.limit = limit
+        self._head: list[RequestOutcome] = []
+        self._tail: deque[RequestOutcome] = deque(maxlen=limit)
+
+    def __call__(self, outcome: RequestOutcome) -> None:
+        # Exactly what JsonStream writes for it.
+        self.spool.write(("\n    " if not self.count else ",\n    ")
+                         + _nested(outcome.as_dict(), 2))
+        self.count += 1
+        if len(self._head) < self.limit // 2:
+            self._head.append(outcome)
+        self._tail.append(outcome)
+
+    def shown(self) -> list[RequestOutcome]:
+        """What :func:`run_table` shows: all, or the first and last ``limit // 2``."""
+        if self.count <= self.limit:
+            return list(self._tail)[-self.count:] if self.count else []
+        return self._head + list(self._tail)[-(self.limit // 2):]
+
+    def write(self, path: Any, result: ReplayResult) -> None:
+        with open(path, "w", encoding="utf-8") as out:
+            stream = JsonStream(out, result.engine)
+            self.spool.seek(0)
+            while chunk := self.spool.read(1 << 20):
+                out.write(chunk)
+            stream.empty = not self.count
+            stream.finish(result)
+
+    def close(self) -> None:
+        self.spool.close()
 
 
 def lines(items: Iterable[str]) -> str:

@@ -48,12 +48,14 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
 
 def replay_here(trace: Trace, spec: Spec = INSTALLED, *,
                 progress: Callable[[Progress], None] | None = None, store: Any = None,
-                record_dir: str | None = None, shortcuts: bool = True) -> ReplayResult:
-    """Build ``trace``'s engine in this process, replay it, close it."""
+                record_dir: str | None = None, shortcuts: bool = True,
+                sink: Callable[[Any], None] | None = None) -> ReplayResult:
+    """Build ``trace``'s engine in this process, replay it, close it; ``sink``
+    as :func:`replayer.replay.replay` takes it (in this process only)."""
     t_start = time.perf_counter()
     with engine_here(trace, spec, store=store, record_dir=record_dir) as adapter:
         t_ready = time.perf_counter()
-        result = replay(trace, adapter, progress=progress, shortcuts=shortcuts)
+        result = replay(trace, adapter, progress=progress, shortcuts=shortcuts, sink=sink)
     result.timings.update(startup_s=t_ready - t_start, wall_s=time.perf_counter() - t_start)
     return result
 

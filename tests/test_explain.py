@@ -131,3 +131,18 @@ def test_set_changes_the_replay(tmp_path):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout[proc.stdout.index("{\n"):])
     assert {r["id"]: r["num_cached_tokens"] for r in doc["requests"]}["again"] == 2976
+
+
+def test_preemption_evidence_comes_from_the_adapter():
+    """explain states that a preemption never changes a hit only where the
+    engine's adapter says so (EngineAdapter.hits_are_first_prefill)."""
+    from replayer.engines.base import EngineInfo
+    from replayer.explain import preemption_evidence
+    from replayer.replay import ReplayResult
+
+    said = ReplayResult(engine=EngineInfo(vllm="0.33.0"), requests=[], steps=0,
+                        hits_are_first_prefill=True)
+    unknown = ReplayResult(engine=EngineInfo(vllm="0.33.0"), requests=[], steps=0)
+    assert "never changes a reported hit" in preemption_evidence(said)
+    assert "not measured" in preemption_evidence(unknown)
+    assert "0.33" not in preemption_evidence(said)

@@ -23,7 +23,8 @@ TARGETS = [TRACES / "conversation_500", SCENARIOS / "reset_prefix_cache.yaml",
 def test_streamed_json_is_the_same_bytes(path):
     trace = load_target(path)
     with engine_here(trace) as adapter:
-        whole = dumps(replay(trace, adapter))
+        kept = replay(trace, adapter)
+        whole = dumps(kept)
     out = io.StringIO()
     seen = []
     with engine_here(trace) as adapter:
@@ -36,5 +37,26 @@ def test_streamed_json_is_the_same_bytes(path):
         result = replay(trace, adapter, sink=sink)
         stream.finish(result)
     assert result.requests == []
+    # What only explain reads (it keeps every outcome) is not kept per request either.
+    assert kept.finished_engine_step and kept.lookups
+    assert kept.hits_are_first_prefill is True
+    assert result.finished_engine_step == {} and result.lookups == {}
     assert result.summary()["requests"] == len(seen) == trace.requests.num_rows
     assert out.getvalue() == whole
+
+
+def test_cli_json_file_is_spooled_and_the_same(tmp_path):
+    """``run --json FILE`` streams outcomes to a spool (replayer.report.SpooledJson)
+    and writes the bytes ``--json -`` prints from the whole result, with the same
+    run table (its first and last 20 rows of 500)."""
+    from conftest import cli
+
+    target = TRACES / "conversation_500"
+    spooled = cli("run", target, "--json", tmp_path / "out.json", "--no-progress")
+    assert spooled.returncode == 0, spooled.stderr
+    whole = cli("run", target, "--json", "-", "--no-progress")
+    assert whole.returncode == 0, whole.stderr
+    assert (tmp_path / "out.json").read_text() == whole.stdout
+    assert "... 460 more requests" in spooled.stdout
+    table = [ln for ln in whole.stderr.splitlines() if not ln.startswith("replayer:")]
+    assert spooled.stdout.splitlines() == table

@@ -173,3 +173,13 @@ class EngineAdapter(ABC):
     def lookups(self) -> dict[str, tuple[int, int]] | None:
         """Each request's last prefix-cache lookup: (engine step, lookup number), if known."""
         return None
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the adapter still keeps of a finished request (its last lookup),
+        once the replay has handed its outcome on: a streamed replay then holds
+        nothing per request that has left."""
+
+    def hits_are_first_prefill(self) -> bool | None:
+        """Whether the hit vLLM reports is the request's first scheduled prefill, so
+        that a preemption's repeat prefill never changes it; None: not known."""
+        return None

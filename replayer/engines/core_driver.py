@@ -306,7 +306,12 @@ class CoreEngine(EngineAdapter):
         self._accepted: dict[tuple[int, str], int] | None = None
         token = _BUILDING.set(self)
         try:
-            self.core = EngineCore(config, executor_cls, log_stats=True)
+            # log_stats off: vLLM's per-step SchedulerStats, prefix-cache and
+            # spec-decode counters and request timestamps feed metrics a replay
+            # never reads. It is vLLM's own switch and changes no decision:
+            # prefill_stats, the outcome the replay reports, is kept either way
+            # (0.29-0.33 set it in schedule() whatever log_stats says).
+            self.core = EngineCore(config, executor_cls, log_stats=False)
         finally:
             _BUILDING.reset(token)
         assert self.core.model_executor.adapter is self
@@ -463,6 +468,12 @@ class CoreEngine(EngineAdapter):
 
     def vllm_seconds(self) -> float:
         return self._schedule.seconds + self._update.seconds
+
+    def hits_are_first_prefill(self) -> bool:
+        # 0.29 to 0.33 alike: schedule() fills prefill_stats only while
+        # num_preemptions <= 0 ("not post-preemption repeat prefills"), and
+        # update_from_output hands it out once (take_prefill_stats).
+        return True
 
     def close(self) -> None:
         from traces.writer import RecordingError

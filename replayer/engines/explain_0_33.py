@@ -69,6 +69,11 @@ class GroupHits:
         hits = self.hits.pop(request_id, None)
         return tuple(hits) if hits is not None else None
 
+    def forget(self, request_id: str) -> None:
+        """A finished request's lookup is no longer needed (a streamed replay)."""
+        self.lookups.pop(request_id, None)
+        self.hits.pop(request_id, None)
+
     def describe(self) -> list[dict[str, Any]]:
         return [{"group": i, "kind": k, "eagle_drop": e}
                 for i, (k, e) in enumerate(zip(self.kinds, self.eagle))]

@@ -108,6 +108,9 @@ class Vllm033Engine(StoreConnectorEngine):
         """Each request's last prefix lookup: (engine step, lookup number)."""
         return dict(self.group_hits.lookups)
 
+    def forget(self, request_id: str) -> None:
+        self.group_hits.forget(request_id)
+
     def hit_alignment(self) -> int:
         """vLLM's own granularity of prefix hits (``cache_hit_alignment_tokens``)."""
         cfg = self.scheduler.kv_cache_config
