@@ -49,8 +49,10 @@ def _check_store(trace: Trace, result: ReplayResult) -> tuple[list[str], bool]:
     diffs = compare_store(expect, got)
     if not diffs:
         puts, lookups = STORE.count(expect)
-        return [f"  store: {puts} key(s) written and {lookups} lookup(s) match the store "
-                f"goldens for {label(key)}"], True
+        fetched = (f", {STORE.keys(expect, 'gets')} key(s) fetched" if "gets" in expect
+                   else "")
+        return [f"  store: {puts} key(s) written{fetched} and {lookups} lookup(s) match the "
+                f"store goldens for {label(key)}"], True
     lines = [f"  store: {len(diffs)} difference(s) against the store goldens for {label(key)}"]
     lines += [f"    {d.describe()}" for d in diffs]
     return lines, False

@@ -158,6 +158,32 @@ def refuse_unsupported(trace: Trace) -> None:
                               "is not supported yet")
 
 
+def run_targeted(engine: EngineAdapter, ev: Event, clock: int, arrived: bool | None) -> None:
+    """An ``evict`` of cached GPU blocks or a ``store_remove`` of store keys; an
+    event that would touch nothing is an error, never a silent pass."""
+    from .engines.base import UnsupportedByEngine
+    from .store import StoreError
+
+    head = f"event {ev.action} ({ev.why}) at step {clock}"
+    try:
+        if ev.action == "evict":
+            if arrived is False:
+                raise ReplayError(f"{head}: request {ev.target!r} has not arrived yet")
+            try:
+                n = engine.evict_cached_blocks(ev.target, ev.group)
+            except ValueError as exc:
+                raise ReplayError(f"{head}: {exc}") from None
+            if n == 0:
+                what = " and ".join(x for x in (
+                    None if ev.target is None else f"request {ev.target!r}",
+                    None if ev.group is None else f"group {ev.group}") if x)
+                raise ReplayError(f"{head}: no cached block of {what} to evict")
+        else:
+            engine.store_remove(ev.keys)
+    except (UnsupportedByEngine, StoreError) as exc:
+        raise ReplayError(f"{head}: {exc}") from None
+
+
 def replay(trace: Trace, engine: EngineAdapter,
            progress: Callable[[Progress], None] | None = None,
            shortcuts: bool = True,
@@ -184,9 +210,12 @@ def replay(trace: Trace, engine: EngineAdapter,
     events = trace.events.to_pylist() if trace.events is not None else []
     schedule = Schedule(rows.arrival_step, rows.after, events)
     n = len(rows.ids)
-    # Rows of the requests events name (abort targets), found once.
+    # Rows of the requests events name (abort and evict targets), found once.
     targets = {ev.get("target") for ev in events} - {None}
     target_row = {rid: i for i, rid in enumerate(rows.ids) if rid in targets} if targets else {}
+    evicted = {ev["target"] for ev in events if ev["action"] == "evict"} - {None}
+    if evicted:
+        engine.track_blocks(evicted)
     arrived = np.zeros(n, dtype=bool)
     live: dict[str, int] = {}                         # arrived, not finished: id -> row
     pending: dict[int, RequestOutcome] = {}          # arrived, not yet handed on: row -> outcome
@@ -245,6 +274,9 @@ def replay(trace: Trace, engine: EngineAdapter,
                 res = pending[row]
                 res.aborted = True
                 res.finish_step = clock
+        elif ev.action in ("evict", "store_remove"):
+            run_targeted(engine, ev, clock,
+                         arrived=None if ev.target is None else bool(arrived[target_row[ev.target]]))
         else:  # validated when the trace was read
             raise ReplayError(f"unknown event action {ev.action!r}")
 

@@ -25,6 +25,14 @@ class Event:
     action: str
     target: str | None
     why: str
+    group: int | None = None          # evict: a KV-cache group
+    keys: tuple[tuple[str, int | None, int | None], ...] = ()   # store_remove: by meaning
+
+    @classmethod
+    def of(cls, row: dict[str, Any], why: str) -> "Event":
+        keys = tuple((k["request"], k.get("group"), k.get("boundary"))
+                     for k in row.get("keys") or ())
+        return cls(row["action"], row.get("target"), why, row.get("group"), keys)
 
 
 class Schedule:
@@ -48,11 +56,9 @@ class Schedule:
         steps: list[tuple[int, int, Event]] = []
         for j, ev in enumerate(events):
             if ev["after"] is not None:
-                self._after_events[ev["after"]].append(
-                    Event(ev["action"], ev.get("target"), f"after {ev['after']}"))
+                self._after_events[ev["after"]].append(Event.of(ev, f"after {ev['after']}"))
             else:
-                steps.append((ev["at_step"], j, Event(ev["action"], ev.get("target"),
-                                                      f"at_step {ev['at_step']}")))
+                steps.append((ev["at_step"], j, Event.of(ev, f"at_step {ev['at_step']}")))
         steps.sort(key=lambda e: (e[0], e[1]))
         self._step_events = [(k, ev) for k, _, ev in steps]
         self._next_row = 0

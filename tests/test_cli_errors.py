@@ -88,7 +88,7 @@ SCENARIO_CASES = {
         ["requests[0].output_len must be an integer >= 1, got 0"]),
     "event_unknown_action": (
         "requests:\n" + OK_REQ + "events:\n  - {after: a, action: flush}\n",
-        ["column 'action', row 0", "unknown action 'flush'"]),
+        ["events[0].action must be one of", "got 'flush'"]),
     "no_requests": (
         "engine: {block_size: 16}\n",
         ["requests must be a non-empty list"]),

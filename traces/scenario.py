@@ -15,6 +15,7 @@ import pyarrow as pa
 from . import schema
 from .engine_spec import EngineBlock
 from .errors import MAX_INT, TraceError, require_int
+from .events import parse_event
 from .limits import MAX_TOKENS, TokenBudget
 from .safe_yaml import load_yaml_file
 from .goldens import KINDS
@@ -28,7 +29,6 @@ TOP_KEYS = ("engine", "requests", "events", "expect", "expect_store", "expect_ev
 REQUEST_KEYS = ("id", "prompt", "output_len", "after", "arrival_step", "cache_salt",
                 "priority")
 SPAN_KEYS = ("stream", "start", "len")
-EVENT_KEYS = ("after", "at_step", "action", "target")
 
 
 def is_scenario_path(path: str | Path) -> bool:
@@ -127,7 +127,11 @@ def compile_scenario(path: str | Path) -> Trace:
         else:
             arrays[name] = pa.array(values, type=col.type)
     requests = pa.table(arrays, schema=spec.arrow_schema(set(cols)))
-    events = _events(path, data.get("events"))
+    events = _events(path, data.get("events"), set(cols["id"]))
+    if events is not None and "store_remove" in events["action"].to_pylist() \
+            and not engine.connector:
+        i = events["action"].to_pylist().index("store_remove")
+        raise TraceError(path, f"events[{i}]: store_remove needs engine.connector")
     header = {
         "schema_version": schema.SCHEMA_VERSION,
         "engine": engine,
@@ -141,7 +145,7 @@ def compile_scenario(path: str | Path) -> Trace:
     return trace
 
 
-def _events(path: Path, events: Any) -> pa.Table | None:
+def _events(path: Path, events: Any, ids: set[str]) -> pa.Table | None:
     if events is None:
         return None
     if not isinstance(events, list):
@@ -151,13 +155,7 @@ def _events(path: Path, events: Any) -> pa.Table | None:
         where = f"events[{i}]"
         if not isinstance(ev, dict):
             raise TraceError(path, f"{where} must be a mapping")
-        _unknown(path, where, ev, EVENT_KEYS)
-        at = ev.get("at_step")
-        if at is not None:
-            at = require_int(path, f"{where}.at_step", at, 0)
-        rows.append({"after": None if ev.get("after") is None else str(ev["after"]),
-                     "at_step": at, "action": ev.get("action"),
-                     "target": None if ev.get("target") is None else str(ev["target"])})
+        rows.append(parse_event(path, where, ev, ids))
     return pa.Table.from_pylist(rows, schema=schema.EVENTS.arrow_schema())
 
 

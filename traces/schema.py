@@ -75,9 +75,16 @@ FINISHES = Table("finishes", (
 EVENTS = Table("events", (
     Column("after", pa.string(), nullable=True, doc="runs once this request finished"),
     Column("at_step", pa.int64(), nullable=True, doc="runs before this engine step"),
-    Column("action", pa.string(), doc="reset_prefix_cache | abort"),
+    Column("action", pa.string(),
+           doc="reset_prefix_cache | abort | evict | store_remove (traces/events.py)"),
     Column("target", pa.string(), required=False, nullable=True,
-           doc="request id an abort applies to"),
+           doc="request id an abort or evict applies to"),
+    Column("group", pa.int64(), required=False, nullable=True,
+           doc="evict: vLLM's KV-cache group index"),
+    Column("keys", pa.list_(pa.struct([("request", pa.string()), ("group", pa.int64()),
+                                       ("boundary", pa.int64())])),
+           required=False, nullable=True,
+           doc="store_remove: keys by meaning (null group/boundary: any)"),
 ))
 
 OUTCOMES = Table("outcomes", (
@@ -111,6 +118,8 @@ STORE_OPS = Table("store_ops", (
     Column("result", pa.int64(), nullable=True),
     Column("request", pa.string(), required=False, nullable=True,
            doc="first request whose prompt has this key's prefix"),
+    Column("loader", pa.string(), required=False, nullable=True,
+           doc="get: the request whose load fetched the key"),
 ))
 
 # Golden expectations share the outcome columns; kept apart from recorded
@@ -144,13 +153,13 @@ KV_EVENTS = Table("kv_events", (
 
 TABLES = {t.name: t for t in (REQUESTS, EVENTS, OUTCOMES, STEPS, STORE_OPS, KV_EVENTS)}
 
-EVENT_ACTIONS = ("reset_prefix_cache", "abort")
+EVENT_ACTIONS = ("reset_prefix_cache", "abort", "evict", "store_remove")
 
 # Store goldens: which keys each request's prefix got written under, by group
 # and token boundary, and what each lookup hit. One table per engine.
 GOLDEN_STORE = Table("golden_store", (
-    Column("kind", pa.string(), doc="put | lookup"),
-    Column("request", pa.string()),
+    Column("kind", pa.string(), doc="put | get | lookup"),
+    Column("request", pa.string(), doc="put: the key's first request; get: the loader"),
     Column("group", pa.int64(), nullable=True),
     Column("boundary", pa.int64(), nullable=True, doc="put: token boundary of the key"),
     Column("hit_length", pa.int64(), nullable=True, doc="lookup: tokens the store had"),

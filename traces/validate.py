@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 from . import schema
 from .engine_spec import EngineBlock
 from .errors import TraceError
+from .events import check_event_row
 from .sanity import (check_async_scheduling, check_header_bounds, check_request_bounds,
                      check_sized_engine)
 
@@ -188,9 +189,7 @@ def validate_events(path: Path, events: pa.Table, ids: set[str]) -> None:
                              column="after", row=row)
         if ev["after"] is not None and ev["after"] not in ids:
             raise TraceError(path, f"event after unknown id {ev['after']!r}", column="after", row=row)
-        if ev["action"] == "abort" and ev.get("target") not in ids:
-            raise TraceError(path, f"abort of unknown request {ev.get('target')!r}",
-                             column="target", row=row)
+        check_event_row(path, row, ev, ids)
 
 
 def validate_trace(root: Path, trace: "Trace") -> None:

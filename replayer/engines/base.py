@@ -161,6 +161,23 @@ class EngineAdapter(ABC):
         """vLLM's published KV-cache events, one ``kv_events`` row per block (None: off)."""
         return None
 
+    def track_blocks(self, request_ids: set[str]) -> None:
+        """Remember which cached blocks these requests held when vLLM frees them
+        (the requests ``evict`` events name); adapters that cannot evict ignore it."""
+        return None
+
+    def evict_cached_blocks(self, request: str | None, group: int | None) -> int:
+        """Evict cached GPU blocks through vLLM's own ``KVCacheManager.evict_blocks``:
+        those ``request`` held, those of KV-cache ``group``, or both; returns how many."""
+        raise UnsupportedByEngine(f"vllm {self.info.vllm}: this engine cannot evict "
+                                  "cached blocks (no KVCacheManager.evict_blocks)")
+
+    def store_remove(self, keys: tuple[tuple[str, int | None, int | None], ...]) -> list[str]:
+        """Remove store keys named by meaning (request, group, boundary) through the
+        store backend's ``remove``; returns the keys removed."""
+        raise UnsupportedByEngine(f"vllm {self.info.vllm}: store_remove needs a "
+                                  "MooncakeStore connector replay")
+
     def lookups(self) -> dict[str, tuple[int, int]] | None:
         """Each request's last prefix-cache lookup: (engine step, lookup number), if known."""
         return None

@@ -433,6 +433,8 @@ class CoreEngine(EngineAdapter):
             self.prefix_hashes.expect(request.id, request.prompt_block_ids,
                                       request.prompt_block_tokens)
         req, wave = self.core.preprocess_add_request(ecr)
+        if request.id in self.__dict__.get("_evict_targets", ()):
+            self.evictor.track(req)
         self._on_preprocessed(req, request)
         self.core.add_request(req, wave)
 
@@ -468,6 +470,29 @@ class CoreEngine(EngineAdapter):
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_requests()
+
+    def _evictor(self):
+        """vLLM's targeted eviction (:mod:`.block_evict`), made when first needed."""
+        if self.__dict__.get("evictor") is None:
+            from .block_evict import BlockEvictor
+
+            self.evictor = BlockEvictor(self.scheduler, self.info.vllm)
+        return self.evictor
+
+    def track_blocks(self, request_ids: set[str]) -> None:
+        self._evictor()
+        self._evict_targets = set(request_ids)
+
+    def evict_cached_blocks(self, request: str | None, group: int | None) -> int:
+        n = self._evictor().evict(request, group)
+        self._recorded({"action": "evict", "target": request, "group": group})
+        return n
+
+    def _recorded(self, event: dict[str, Any]) -> None:
+        """Tell a recorder installed on this engine about an event it cannot observe."""
+        recorder = getattr(self.scheduler, "_recorder", None)
+        if recorder is not None:
+            recorder.ran(event)
 
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache(reset_running_requests=False, reset_connector=False)

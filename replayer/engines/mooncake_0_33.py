@@ -198,6 +198,7 @@ class StoreSession:
         self.kv_caches = _allocate_kv_caches(kv_cache_config)
         self.connector.register_kv_caches(self.kv_caches)
         self._wrap_for_fixed_order()
+        self._name_loaders()
 
     @contextmanager
     def _store_module(self):
@@ -232,6 +233,46 @@ class StoreSession:
                 worker.kv_send_thread.request_queue.join()
 
         self.connector.wait_for_save = drained_wait_for_save
+
+    def _name_loaders(self) -> None:
+        """Each receive thread tells the recorder whose load it runs, so every get
+        is filed under the request that fetched it (``expect_store.gets``)."""
+        recorder = self.recorder
+        for thread in self.worker.kv_recv_threads:
+            handle = thread._handle_request
+
+            def named(req_meta, handle=handle):
+                recorder.loading(req_meta.req_id)
+                try:
+                    return handle(req_meta)
+                finally:
+                    recorder.loading(None)
+
+            thread._handle_request = named
+
+    def remove(self, selectors: tuple[tuple[str, int | None, int | None], ...]) -> list[str]:
+        """Remove the keys written so far that match each (request, group, boundary)
+        selector (None matches any), through the store's own ``remove``; a selector
+        matching no written key is an error."""
+        puts = [r for r in self.recorder.ops.rows if r["op"] == "put" and r["result"] >= 0]
+        keys: list[str] = []
+        for request, group, boundary in selectors:
+            found = [r["key"] for r in puts if r["request"] == request
+                     and (group is None or r["group"] == group)
+                     and (boundary is None or r["boundary"] == boundary)]
+            if not found:
+                what = f"request {request!r}" + ("" if group is None else f" group {group}") + (
+                    "" if boundary is None else f" @ {boundary}")
+                raise StoreError(f"store {self.label}: store_remove: no key of {what} "
+                                 "was written")
+            keys += [k for k in found if k not in keys]
+        worker = self.worker
+        if worker.kv_send_thread is not None:
+            worker.kv_send_thread.request_queue.join()
+        for key in keys:
+            self.recorder.remove(key, True)      # force: as remove_all, never lease-bound
+        self.check()
+        return keys
 
     def execute(self, scheduler_output, vllm_config: VllmConfig) -> KVConnectorOutput:
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
@@ -384,6 +425,15 @@ class StoreConnectorEngine(CoreEngine):
     def reset_prefix_cache(self) -> bool:
         # The GPU-side cache only: the store keeps its keys, as in production.
         return super().reset_prefix_cache()
+
+    def store_remove(self, keys: tuple[tuple[str, int | None, int | None], ...]) -> list[str]:
+        if self.session is None:
+            return super().store_remove(keys)
+        self.session.recorder.step = self._step
+        removed = self.session.remove(keys)
+        self._recorded({"action": "store_remove", "keys": [
+            {"request": r, "group": g, "boundary": b} for r, g, b in keys]})
+        return removed
 
     def store_report(self) -> dict[str, Any] | None:
         """Store operations recorded so far (None without a connector)."""

@@ -21,7 +21,8 @@ calls so far, the replayer's clock):
   every request scheduled, accepted drafts from the sampled tokens.
 * ``outcomes``: each request's ``prefill_stats`` (cached, local, external).
 * ``events``: successful ``reset_prefix_cache`` calls and aborts, at the
-  step before which they happened.
+  step before which they happened; and the ``evict`` and ``store_remove``
+  events a replay ran (the engine reports them: :meth:`SchedulerRecorder.ran`).
 * ``kv_events``: where the server publishes KV-cache events
   (``--kv-events-config '{"enable_kv_cache_events": true, ...}'``), every
   block of every batch the scheduler publishes, named by group, boundary and
@@ -172,6 +173,12 @@ class SchedulerRecorder:
         writer = self.session.add_table(KV_EVENTS)
         # Published in update_from_output, after schedule() moved the clock on.
         KvEventCollector(scheduler, step=lambda: self.session.step - 1, sink=writer.append)
+
+    def ran(self, event: dict[str, Any]) -> None:
+        """A targeted event the replay ran on this engine (``evict``, ``store_remove``:
+        no vLLM entry point to observe), so a replay of the recording runs it too."""
+        self._events.append({"after": None, "at_step": self.session.step, "target": None,
+                             "group": None, "keys": None, **event})
 
     def close(self) -> None:
         """The last flush. Requests still running get no finish row: the reader

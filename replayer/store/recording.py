@@ -64,6 +64,8 @@ class RecordingStore:
         self.ops = StoreOps()
         self.boundary_of = boundary_of or (lambda h: None)
         self._lock = threading.Lock()
+        # The request whose load is running on this thread (set around each load).
+        self._loading = threading.local()
         self._put_crc: dict[str, int] = {}
         self.seconds = 0.0            # inside the backend's calls (timings, never output)
         if hasattr(inner, "on_evict"):
@@ -81,7 +83,8 @@ class RecordingStore:
                 "order": len(self.ops.rows), "step": self.step, "rank": self.rank, "op": op,
                 "key": key, "group": key_group(key) if key else None,
                 "boundary": boundary, "bytes": nbytes, "result": result,
-                "request": request})
+                "request": request,
+                "loader": getattr(self._loading, "request", None) if op == "get" else None})
 
     def _fail(self, what: str) -> None:
         with self._lock:
@@ -131,11 +134,24 @@ class RecordingStore:
                 self._fail(f"get of {k} read back bytes that differ from the put")
         return res
 
+    def remove(self, key: str, force: bool = False) -> int:
+        """Mooncake's ``remove`` (a ``store_remove`` event): recorded as op ``remove``."""
+        res = int(self._call(self._inner.remove, key, force))
+        self._row("remove", key, None, res)
+        if res < 0:
+            self._fail(f"remove of {key} returned {code_name(res)}")
+        self._put_crc.pop(key, None)
+        return res
+
     def remove_all(self, *args: Any, **kwargs: Any) -> int:
         res = self._inner.remove_all(*args, **kwargs)
         self._row("remove_all", None, None, int(res))
         self._put_crc.clear()
         return res
+
+    def loading(self, request_id: str | None) -> None:
+        """Name the request whose load this thread runs now (None: done)."""
+        self._loading.request = request_id
 
     def take_failures(self) -> list[str]:
         with self._lock:
