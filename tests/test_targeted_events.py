@@ -162,7 +162,7 @@ def test_store_remove_misses_the_store_exactly_there(tmp_path):
     proc = cli("check", REMOVE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ("store: 25 key(s) written, 19 key(s) fetched and 4 lookup(s) match the store "
-            "goldens for any engine") in proc.stdout
+            "goldens for vllm==0.33.0") in proc.stdout
     ops_file = tmp_path / "ops.parquet"
     out = run_json(tmp_path, REMOVE, "--store-ops", ops_file)
     ops = pl.read_parquet(ops_file)
