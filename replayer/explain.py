@@ -8,7 +8,8 @@ the previous one, so the causes telescope and add up exactly:
 1. capacity: the same trace with a KV cache large enough that nothing is
    ever evicted;
 2. store (a trace with a connector) or reset: without its
-   ``reset_prefix_cache`` events (what the store should have given back);
+   ``reset_prefix_cache`` events and targeted ``evict`` / ``store_remove``
+   events (what the store should have given back);
 3. eagle_drop: without speculative decoding (the EAGLE/MTP drop and its
    lookahead block hashes);
 4. sparse_retention: ``prefix_cache_retention_interval: null`` (vLLM's dense
@@ -38,6 +39,7 @@ from typing import Any, Callable
 import polars as pl
 
 from traces import Trace
+from traces.errors import TraceError
 from traces.engine_spec import RETAIN_DENSE
 from traces.reachable import Clock, prefix_match_unit, reachable_hits
 from traces.what_if import with_sets
@@ -48,6 +50,9 @@ CAUSES = ("capacity", "store", "reset", "eagle_drop", "sparse_retention", "slidi
           "alignment", "preemption", "unexplained")
 
 Replayer = Callable[[Trace], ReplayResult]
+
+#: Events that empty the GPU cache or the store: one counterfactual removes them all.
+EMPTYING_EVENTS = ("reset_prefix_cache", "evict", "store_remove")
 
 
 @dataclass(frozen=True)
@@ -88,19 +93,25 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
             "replay with a KV cache that never evicts minus the baseline replay",
             lambda t: _with_engine(t, [f"engine.num_gpu_blocks={blocks}"])))
     events = trace.events
-    if events is not None and "reset_prefix_cache" in events["action"].to_pylist():
-        keep = [a != "reset_prefix_cache" for a in events["action"].to_pylist()]
+    actions = events["action"].to_pylist() if events is not None else []
+    emptying = [a for a in EMPTYING_EVENTS if a in actions]
+    if emptying:
+        # Targeted evict / store_remove events empty the cache (or store) as a
+        # reset does: they leave with the resets, before any rule that changes
+        # which keys are written (a store_remove names keys the baseline wrote).
+        keep = [a not in EMPTYING_EVENTS for a in actions]
         connector = bool(engine.connector)
         cause = "store" if connector else "reset"
-        evidence = ("replay without the reset_prefix_cache events minus the previous: what the "
+        named = ", ".join(emptying)
+        evidence = (f"replay without the {named} events minus the previous: what the "
                     "store did not give back after a reset (a lookup missed or a key was not "
                     "written)" if connector else
-                    "replay without the reset_prefix_cache events minus the previous")
+                    f"replay without the {named} events minus the previous")
 
         def drop_resets(t: Trace, keep=keep) -> Trace:
             ev = t.events.filter(keep) if any(keep) else None
             return replace(t, events=ev)
-        steps.append(Counterfactual(cause, "reset_prefix_cache events removed", evidence,
+        steps.append(Counterfactual(cause, f"{named} events removed", evidence,
                                     drop_resets))
     if engine.speculative is not None:
         steps.append(Counterfactual(
@@ -211,11 +222,21 @@ def _limiting_kind(request: Any, kv_groups: list[dict[str, Any]] | None,
     return "unexplained"
 
 
+def refuse_unexplainable(trace: Trace) -> None:
+    """A geometry whose hits are not prefix reuse has no reachable hits to explain."""
+    if any(g.kind == "chunked_local" for g in trace.engine.kv_groups):
+        raise TraceError(trace.path, "explain cannot account for a chunked_local group: vLLM "
+                         "counts the tokens before the current attention chunk as computed "
+                         "without any cache, so reachable hits are not defined for it "
+                         "(run and check replay it)")
+
+
 def explain(trace: Trace, run: Replayer, *,
             progress: Callable[[str], None] | None = None) -> Explanation:
     """Replay ``trace`` and its counterfactuals with ``run`` (a runner from
     :func:`replayer.runner.engine_runner`: the one way an engine opens) and
     account for every lost token."""
+    refuse_unexplainable(trace)
     say = progress or (lambda _msg: None)
     say("baseline replay")
     base = run(trace)

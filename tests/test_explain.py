@@ -22,8 +22,23 @@ def explain(trace):
         return explain_with(trace, run)
 
 FIXTURES = REPO / "fixtures"
+# chunked_local_attention: explain refuses it (test below).
+CHUNKED = FIXTURES / "scenarios" / "chunked_local_attention.yaml"
 ALL = sorted([*FIXTURES.glob("scenarios/*.yaml"), *FIXTURES.glob("store/*.yaml"),
               FIXTURES / "traces" / "conversation_500"])
+ALL.remove(CHUNKED)
+
+
+def test_explain_refuses_a_chunked_local_group_in_one_line():
+    """vLLM counts tokens before the current chunk as computed without a cache:
+    there is no reachable hit to compare with, so explain says so and replays nothing."""
+    proc = cli("explain", CHUNKED)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert str(CHUNKED.relative_to(REPO)) in lines[0] or str(CHUNKED) in lines[0]
+    assert "explain cannot account for a chunked_local group" in lines[0]
+    assert proc.stdout == ""
 
 
 @pytest.mark.slow

@@ -179,8 +179,10 @@ def test_finishes_fold_into_requests_and_running_ones_end_with_the_recording(tmp
     assert trace.requests["output_len"].to_pylist() == [2, 50, 50]
     assert trace.requests["output_tokens"].to_pylist() == [[7, 8], None, None]
     assert trace.events.to_pylist() == [
-        {"after": None, "at_step": 8, "action": "abort", "target": "r1"},
-        {"after": None, "at_step": 8, "action": "abort", "target": "r2"}]
+        {"after": None, "at_step": 8, "action": "abort", "target": "r1", "group": None,
+         "keys": None},
+        {"after": None, "at_step": 8, "action": "abort", "target": "r2", "group": None,
+         "keys": None}]
     assert any("2 request(s) still running" in n and "step 8" in n for n in trace.notes)
     assert any("1 finish row(s)" in n for n in trace.notes)
     proc = cli("info", out)

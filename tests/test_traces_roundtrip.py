@@ -41,7 +41,8 @@ def test_scenario_round_trip(tmp_path):
     assert back.requests["output_len"].to_pylist() == [3, 2, 1]
     assert back.requests["cache_salt"].to_pylist() == [None, "salty", None]
     assert back.events.to_pylist() == [
-        {"after": "a", "at_step": None, "action": "reset_prefix_cache", "target": None}]
+        {"after": "a", "at_step": None, "action": "reset_prefix_cache", "target": None,
+         "group": None, "keys": None}]
     assert back.header["schema_version"] == SCHEMA_VERSION
     assert back.header["source"] == {"kind": "authored", "from": "s.yaml"}
     assert back.header["description"] == "small round-trip scenario"
