@@ -77,10 +77,13 @@ def test_diff_names_the_keys_that_moved_when_the_outcomes_agree(tmp_path):
 
 
 def test_old_releases_check_the_store_fixtures_against_their_own_goldens():
-    for version in ("0.30.0", "0.31.0"):
-        proc = cli("check", "--engine", f"vllm=={version}", "fixtures/store")
+    # The whole folder on 0.31.0; the #56615 fixture alone on 0.30.0 (CI time).
+    for version, target in (("0.31.0", "fixtures/store"),
+                            ("0.30.0", "fixtures/store/resend_after_reset.yaml")):
+        proc = cli("check", "--engine", f"vllm=={version}", target)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert proc.stdout.count("PASS ") == len(list(STORE_SCENARIOS.glob("*.yaml")))
+        n = len(list(STORE_SCENARIOS.glob("*.yaml"))) if target == "fixtures/store" else 1
+        assert proc.stdout.count("PASS ") == n
         assert (f"PASS fixtures/store/resend_after_reset.yaml: 6 request(s) match the goldens "
                 f"for vllm=={version} (engine vllm=={version})") in proc.stdout
 
