@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from math import ceil
 from typing import Any, Mapping
 
-from .errors import TraceError
+from .errors import TraceError, reject_unknown_keys
 from .limits import check_engine_bounds, check_int
 
 GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla", "chunked_local")
@@ -278,10 +278,7 @@ def _groups(where: str, raw: list[Any], default_size: int) -> tuple[list[dict], 
             g = {"kind": g}
         if not isinstance(g, dict):
             raise TraceError(where, f"engine.kv_groups[{i}] must be a mapping")
-        for k in g:
-            if k not in GROUP_KEYS:
-                raise TraceError(where, f"unknown key {k!r} in engine.kv_groups[{i}] "
-                                        f"(known: {', '.join(GROUP_KEYS)})")
+        reject_unknown_keys(where, f"engine.kv_groups[{i}]", g, GROUP_KEYS)
         kind = g.get("kind")
         if kind not in GROUP_KINDS:
             raise TraceError(where, f"engine.kv_groups[{i}].kind {kind!r} is not a group kind "
@@ -312,10 +309,7 @@ def _groups(where: str, raw: list[Any], default_size: int) -> tuple[list[dict], 
 
 def _speculative(where: str, spec: dict[str, Any],
                  groups: tuple[KvGroup, ...]) -> Speculative:
-    for k in spec:
-        if k not in SPECULATIVE_KEYS:
-            raise TraceError(where, f"unknown key {k!r} in engine.speculative "
-                                    f"(known: {', '.join(SPECULATIVE_KEYS)})")
+    reject_unknown_keys(where, "engine.speculative", spec, SPECULATIVE_KEYS)
     if spec.get("method") not in SPECULATIVE_METHODS:
         raise TraceError(where, f"engine.speculative.method must be one of "
                                 f"{', '.join(SPECULATIVE_METHODS)}, got {spec.get('method')!r}")
@@ -373,10 +367,8 @@ def _build(where: str, raw: Any) -> EngineBlock:
             SCHEDULING_POLICIES, "engine.{key} {value!r}: expected one of {known}")
     if "connector_config" in raw and not raw.get("connector"):
         raise TraceError(where, "engine.connector_config needs engine.connector")
-    for k in raw.get("connector_config") or {}:
-        if k not in CONNECTOR_CONFIG_KEYS:
-            raise TraceError(where, f"unknown key {k!r} in engine.connector_config "
-                                    f"(known: {', '.join(CONNECTOR_CONFIG_KEYS)})")
+    reject_unknown_keys(where, "engine.connector_config", raw.get("connector_config") or {},
+                        CONNECTOR_CONFIG_KEYS)
     if raw.get("tensor_parallel_size", 1) % raw.get("decode_context_parallel_size", 1):
         raise TraceError(where, "engine.tensor_parallel_size must be a multiple of "
                                 "engine.decode_context_parallel_size")

@@ -20,6 +20,13 @@ class TraceError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
+def reject_unknown_keys(path: object, where: str, obj: object, known: tuple[str, ...]) -> None:
+    """Bad input if mapping ``obj`` has a key outside ``known`` (every YAML block checks so)."""
+    for key in obj:  # type: ignore[attr-defined]
+        if key not in known:
+            raise TraceError(path, f"unknown key {key!r} in {where} (known: {', '.join(known)})")
+
+
 MAX_INT = 2**62     # any integer field (int64 columns, numpy positions); see traces.limits
 
 

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 
 from . import schema
-from .errors import TraceError, require_int, short
+from .errors import TraceError, reject_unknown_keys, require_int, short
 from .golden_kind import GoldenKind
 
 EventExpect = dict[str, Any]
@@ -206,10 +206,7 @@ class EventGoldens(GoldenKind):
 
     def parse_body(self, path: Path, where: str, body: dict[str, Any],
                    ids: set[str]) -> EventExpect:
-        for key in body:
-            if key not in KEYS:
-                raise TraceError(path, f"unknown key {key!r} in {where} "
-                                       f"(known: {', '.join(KEYS)})")
+        reject_unknown_keys(path, where, body, KEYS)
         out: EventExpect = {}
         budget = [MAX_EXPANDED]
         for section in SECTIONS:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import TraceError, require_int
+from .errors import TraceError, reject_unknown_keys, require_int
 
 ACTIONS = ("reset_prefix_cache", "abort", "evict", "store_remove")
 YAML_KEYS = ("after", "at_step", "action", "target", "request", "group", "keys")
@@ -33,9 +33,7 @@ TAKES: dict[str, tuple[str, ...]] = {
 
 def parse_event(path: Path, where: str, ev: dict[str, Any], ids: set[str]) -> dict[str, Any]:
     """One scenario event as an events-table row (checked; errors name ``where``)."""
-    for key in ev:
-        if key not in YAML_KEYS:
-            raise TraceError(path, f"unknown key {key!r} in {where} (known: {', '.join(YAML_KEYS)})")
+    reject_unknown_keys(path, where, ev, YAML_KEYS)
     action = ev.get("action")
     if action not in ACTIONS:
         raise TraceError(path, f"{where}.action must be one of {', '.join(ACTIONS)}, "
@@ -80,10 +78,7 @@ def _selectors(path: Path, where: str, keys: Any, ids: set[str]) -> list[dict[st
         w = f"{where}[{j}]"
         if not isinstance(sel, dict):
             raise TraceError(path, f"{w} must be a mapping {{request, group?, boundary?}}")
-        for key in sel:
-            if key not in SELECTOR_KEYS:
-                raise TraceError(path, f"unknown key {key!r} in {w} "
-                                       f"(known: {', '.join(SELECTOR_KEYS)})")
+        reject_unknown_keys(path, w, sel, SELECTOR_KEYS)
         if sel.get("request") is None:
             raise TraceError(path, f"{w} needs request: the first request whose prompt "
                                    "holds the key's prefix")

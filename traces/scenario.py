@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 from . import schema
 from .engine_spec import EngineBlock
-from .errors import MAX_INT, TraceError, require_int
+from .errors import MAX_INT, TraceError, reject_unknown_keys, require_int
 from .events import parse_event
 from .limits import MAX_TOKENS, TokenBudget
 from .safe_yaml import load_yaml_file
@@ -43,9 +43,7 @@ def load_yaml(path: Path) -> dict[str, Any]:
 
 
 def _unknown(path: Path, where: str, obj: dict[str, Any], known: tuple[str, ...]) -> None:
-    for key in obj:
-        if key not in known:
-            raise TraceError(path, f"unknown key {key!r} in {where} (known: {', '.join(known)})")
+    reject_unknown_keys(path, where, obj, known)
 
 
 def _prompt_tokens(path: Path, where: str, prompt: Any, vocab: int,

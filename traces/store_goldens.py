@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from . import schema
-from .errors import TraceError, require_int
+from .errors import TraceError, reject_unknown_keys, require_int
 from .golden_kind import GoldenKind
 
 StoreExpect = dict[str, dict[str, Any]]
@@ -161,10 +161,7 @@ class StoreGoldens(GoldenKind):
 
     def parse_body(self, path: Path, where: str, body: dict[str, Any],
                    ids: set[str]) -> StoreExpect:
-        for key in body:
-            if key not in ("puts", "gets", "lookups"):
-                raise TraceError(path, f"unknown key {key!r} in {where} "
-                                       "(known: puts, gets, lookups)")
+        reject_unknown_keys(path, where, body, ("puts", "gets", "lookups"))
         keyed = {block: _parse_keyed(path, f"{where}.{block}", body.get(block), ids)
                  for block in ("puts", "gets")}
         lookups: dict[str, int] = {}

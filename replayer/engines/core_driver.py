@@ -348,6 +348,10 @@ class CoreEngine(EngineAdapter):
         # In front of vLLM's request block hasher where an adapter installs it.
         self.prefix_hashes: PrefixHashCache | None = None
         self._sampled: list[str] = []
+        # vLLM's targeted eviction (.block_evict), made when an evict event needs
+        # it, and the requests whose cached blocks such events name.
+        self.evictor = None
+        self._evict_targets: frozenset[str] = frozenset()
         # vLLM's KV-cache events, where the config turns them on: the publisher
         # seam (ZMQ in production) fronted by an in-process collector.
         self._kv_events = None
@@ -433,7 +437,7 @@ class CoreEngine(EngineAdapter):
             self.prefix_hashes.expect(request.id, request.prompt_block_ids,
                                       request.prompt_block_tokens)
         req, wave = self.core.preprocess_add_request(ecr)
-        if request.id in self.__dict__.get("_evict_targets", ()):
+        if request.id in self._evict_targets:
             self.evictor.track(req)
         self._on_preprocessed(req, request)
         self.core.add_request(req, wave)
@@ -473,7 +477,7 @@ class CoreEngine(EngineAdapter):
 
     def _evictor(self):
         """vLLM's targeted eviction (:mod:`.block_evict`), made when first needed."""
-        if self.__dict__.get("evictor") is None:
+        if self.evictor is None:
             from .block_evict import BlockEvictor
 
             self.evictor = BlockEvictor(self.scheduler, self.info.vllm)
@@ -481,7 +485,7 @@ class CoreEngine(EngineAdapter):
 
     def track_blocks(self, request_ids: set[str]) -> None:
         self._evictor()
-        self._evict_targets = set(request_ids)
+        self._evict_targets = frozenset(request_ids)
 
     def evict_cached_blocks(self, request: str | None, group: int | None) -> int:
         n = self._evictor().evict(request, group)
