@@ -261,13 +261,14 @@ def cmd_run(args) -> int:
     from .engines.specs import parse_spec
     from traces.atomic import write_atomic
 
-    from .engines.specs import resolve
+    from .engines.specs import INSTALLED, resolve
     from .report import SpooledJson, dumps, run_table
     from .runner import engine_runner
 
     spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
     _check_outputs(args)                    # and an output that cannot be written
-    trace = _load_with_sets(args.target, args.set)
+    # The installed vLLM replays in this process: its prompts are read batch by batch.
+    trace = _load_with_sets(args.target, args.set, stream=spec.kind == INSTALLED)
     _note_skipped(trace)
     if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
@@ -383,11 +384,12 @@ def cmd_check(args) -> int:
     return worst
 
 
-def _load_with_sets(path, sets):
-    """A target, replayed under ``--set`` changes when there are any."""
+def _load_with_sets(path, sets, stream=False):
+    """A target, replayed under ``--set`` changes when there are any; ``stream``:
+    its prompts left in the file for the replay to read in batches."""
     from traces.what_if import with_sets
 
-    return with_sets(load_target(path), sets)
+    return with_sets(load_target(path, stream=stream), sets)
 
 
 def cmd_explain(args) -> int:

@@ -202,7 +202,7 @@ def replay(trace: Trace, engine: EngineAdapter,
     t_start = time.perf_counter()
     refuse_unsupported(trace)
     rows = request_rows(trace.requests)
-    tokens = TokenSource(trace.header, trace.requests)
+    tokens = TokenSource(trace.header, trace.requests, trace.request_lists)
     n_spec = trace.engine.num_speculative_tokens
     accepted = recorded_accepted(trace)
     if accepted:
@@ -237,6 +237,7 @@ def replay(trace: Trace, engine: EngineAdapter,
             priority=rows.priority[i] or 0,
             prompt_block_ids=blocks[0] if blocks else None,
             prompt_block_tokens=blocks[1] if blocks else 0))
+        tokens.release(i)                 # a streamed trace drops the row's lists
         arrived[i] = True
         live[rid] = i
         order.append(i)
@@ -333,6 +334,7 @@ def replay(trace: Trace, engine: EngineAdapter,
             hand_on()
         if progress is not None:
             progress(Progress(done, n, steps_run, prompt_done, cached_done))
+    tokens.close()
     if not arrived.all():
         unfinished = [rows.ids[int(i)] for i in np.flatnonzero(~arrived)[:5]]
         raise ReplayError(f"requests never arrived: {unfinished} (an 'after' chain that "

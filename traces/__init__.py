@@ -11,8 +11,10 @@ from .trace import Trace, read_trace, write_trace
 __all__ = ["SCHEMA_VERSION", "Trace", "TraceError", "read_trace", "write_trace", "load_target"]
 
 
-def load_target(path):
-    """A scenario file or a trace directory, as a validated :class:`Trace`."""
+def load_target(path, *, stream=False):
+    """A scenario file or a trace directory, as a validated :class:`Trace`;
+    ``stream``: a directory's prompts read batch by batch by the replay
+    (:func:`read_trace`)."""
     from pathlib import Path
 
     from .scenario import compile_scenario, is_scenario_path
@@ -22,4 +24,4 @@ def load_target(path):
         return compile_scenario(p)
     if not p.exists():
         raise TraceError(p, "no such file or directory")
-    return read_trace(p)
+    return read_trace(p, stream=stream)

@@ -17,20 +17,30 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from .request_stream import LIST_COLUMNS, RequestLists, list_arrays
 from .tokens import block_tokens, stream_tokens
 
 
-def _list_column(table: pa.Table, name: str):
-    """(offsets, values, validity) of a list column, as numpy, or None if absent."""
-    if name not in table.column_names:
-        return None
-    arr = table[name].combine_chunks()
-    if isinstance(arr, pa.ChunkedArray):  # pragma: no cover - pyarrow < 15
-        arr = arr.chunk(0) if arr.num_chunks else pa.array([], arr.type)
-    offsets = arr.offsets.to_numpy()
-    values = arr.values.to_numpy(zero_copy_only=False)
-    valid = arr.is_valid().to_numpy(zero_copy_only=False)
-    return offsets, values, valid
+class WholeLists:
+    """A requests table's list columns, held whole: the same reads as
+    :class:`traces.request_stream.ListWindow` (release keeps everything)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self._cols = {name: list_arrays(table[name].combine_chunks())
+                      for name in LIST_COLUMNS if name in table.column_names}
+
+    def get(self, name: str, row: int) -> np.ndarray | None:
+        col = self._cols.get(name)
+        if col is None or not col[2][row]:
+            return None
+        off, vals, _ = col
+        return vals[off[row]:off[row + 1]]
+
+    def release(self, row: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Column(Sequence):
@@ -74,44 +84,50 @@ class RequestRows:
 
 
 class TokenSource:
-    """Prompt and output tokens of each request row."""
+    """Prompt and output tokens of each request row.
 
-    def __init__(self, header: dict[str, Any], requests: pa.Table) -> None:
+    ``lists``: where the list columns are when ``requests`` lacks them (a
+    streamed trace, ``Trace.request_lists``); they are then read batch by
+    batch, and :meth:`release` a row once its request is built."""
+
+    def __init__(self, header: dict[str, Any], requests: pa.Table,
+                 lists: RequestLists | None = None) -> None:
         self.vocab = header["engine"].vocab_size
         self.block = (header.get("prompt_blocks") or {}).get("block_tokens")
         self.n_prompt = requests["num_prompt_tokens"].to_numpy()
         self.ids = Column(requests, "id")
-        self._tokens = _list_column(requests, "prompt_tokens")
-        self._blocks = _list_column(requests, "prompt_block_ids")
-        self._outputs = _list_column(requests, "output_tokens")
+        self._lists = WholeLists(requests) if lists is None else lists.window()
 
     def prompt(self, row: int) -> np.ndarray:
-        col = self._tokens
-        if col is not None and col[2][row]:
-            off, vals, _ = col
-            return np.asarray(vals[off[row]:off[row + 1]], dtype=np.int64)
-        off, vals, _ = self._blocks  # validated: one of the two is present
-        return block_tokens(vals[off[row]:off[row + 1]], self.block, int(self.n_prompt[row]),
-                            self.vocab)
+        tokens = self._lists.get("prompt_tokens", row)
+        if tokens is not None:
+            return np.asarray(tokens, dtype=np.int64)
+        blocks = self._lists.get("prompt_block_ids", row)   # validated: one of the two is there
+        return block_tokens(blocks, self.block, int(self.n_prompt[row]), self.vocab)
 
     def prompt_blocks(self, row: int) -> tuple[list[int], int] | None:
         """(trace block ids, tokens per block) of a prompt synthesised from block
         ids; None where the row stores its tokens. Equal ids at equal positions
         are equal tokens, which lets an engine reuse a prefix's block hashes."""
-        col = self._tokens
-        if (col is not None and col[2][row]) or self._blocks is None or not self.block:
+        if self._lists.get("prompt_tokens", row) is not None or not self.block:
             return None
-        off, vals, _ = self._blocks
-        return vals[off[row]:off[row + 1]].tolist(), int(self.block)
+        blocks = self._lists.get("prompt_block_ids", row)
+        return None if blocks is None else (blocks.tolist(), int(self.block))
 
     def output(self, row: int, output_len: int, extra: int) -> np.ndarray:
         """The tokens the null model emits, plus ``extra`` for late drafts."""
-        col = self._outputs
         synth = stream_tokens(f"out:{self.ids[row]}", 0, output_len + extra, self.vocab)
-        if col is not None and col[2][row]:
-            off, vals, _ = col
-            synth[:output_len] = vals[off[row]:off[row + 1]]
+        recorded = self._lists.get("output_tokens", row)
+        if recorded is not None:
+            synth[:output_len] = recorded
         return synth
+
+    def release(self, row: int) -> None:
+        """Row ``row``'s request is built: a streamed source drops its lists."""
+        self._lists.release(row)
+
+    def close(self) -> None:
+        self._lists.close()
 
 
 def request_rows(requests: pa.Table) -> RequestRows:

@@ -11,7 +11,7 @@ another engine's name.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -41,31 +41,51 @@ def check_async_scheduling(path: Any, engine: EngineBlock, source_kind: str | No
                                "schedules synchronously); remove it or set it to false")
 
 
-def check_request_bounds(path: Path, engine: EngineBlock, requests: pa.Table) -> None:
-    """Lengths within MAX_TOKENS and ``max_model_len``, refused as vLLM's front end does."""
-    names = set(requests.column_names)
+def request_bound_checks(path: Path, engine: EngineBlock,
+                         names: set[str]) -> list[tuple[bool, Callable[[pa.Table], None]]]:
+    """:func:`check_request_bounds` as ordered checks, each ``(reads a list column,
+    check)``, so that a streamed read runs the list ones batch by batch
+    (:func:`traces.validate.validate_request_batches`)."""
+    checks: list[tuple[bool, Callable[[pa.Table], None]]] = []
+
+    def too_long(name: str) -> Callable[[pa.Table], None]:
+        def check(t: pa.Table) -> None:
+            row = _first_true(pc.greater(t[name], MAX_TOKENS))
+            if row is not None:
+                raise TraceError(path, f"{t[name][row].as_py()} is above the limit of "
+                                       f"{MAX_TOKENS} tokens", column=name, row=row)
+        return check
+
     for name in ("num_prompt_tokens", "output_len"):
         if name in names:
-            row = _first_true(pc.greater(requests[name], MAX_TOKENS))
-            if row is not None:
-                raise TraceError(path, f"{requests[name][row].as_py()} is above the limit of "
-                                       f"{MAX_TOKENS} tokens", column=name, row=row)
+            checks.append((False, too_long(name)))
     max_len = engine.max_model_len
     if max_len is not None and "num_prompt_tokens" in names:
-        row = _first_true(pc.greater(requests["num_prompt_tokens"], max_len))
-        if row is not None:
-            n = requests["num_prompt_tokens"][row].as_py()
-            raise TraceError(path, f"the prompt (length {n}) is longer than the maximum model "
-                                   f"length of {max_len} (vLLM refuses such a request)",
-                             column="num_prompt_tokens", row=row)
+        def model_len(t: pa.Table) -> None:
+            row = _first_true(pc.greater(t["num_prompt_tokens"], max_len))
+            if row is not None:
+                n = t["num_prompt_tokens"][row].as_py()
+                raise TraceError(path, f"the prompt (length {n}) is longer than the maximum "
+                                       f"model length of {max_len} (vLLM refuses such a request)",
+                                 column="num_prompt_tokens", row=row)
+        checks.append((False, model_len))
     if "prompt_block_ids" in names:
-        row = _first_true(pc.greater(pc.list_value_length(requests["prompt_block_ids"]),
-                                     MAX_TOKENS))
-        if row is not None:
-            raise TraceError(path, f"more than {MAX_TOKENS} block ids",
-                             column="prompt_block_ids", row=row)
+        def many_blocks(t: pa.Table) -> None:
+            row = _first_true(pc.greater(pc.list_value_length(t["prompt_block_ids"]), MAX_TOKENS))
+            if row is not None:
+                raise TraceError(path, f"more than {MAX_TOKENS} block ids",
+                                 column="prompt_block_ids", row=row)
+        checks.append((True, many_blocks))
     if "after" in names and "id" in names:
-        check_after_cycles(path, requests["id"].to_pylist(), requests["after"].to_pylist())
+        checks.append((False, lambda t: check_after_cycles(path, t["id"].to_pylist(),
+                                                           t["after"].to_pylist())))
+    return checks
+
+
+def check_request_bounds(path: Path, engine: EngineBlock, requests: pa.Table) -> None:
+    """Lengths within MAX_TOKENS and ``max_model_len``, refused as vLLM's front end does."""
+    for _, check in request_bound_checks(path, engine, set(requests.column_names)):
+        check(requests)
 
 
 def check_after_cycles(path: Path, ids: list[Any], afters: list[Any]) -> None:

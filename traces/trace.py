@@ -24,6 +24,7 @@ from .errors import TraceError
 from .golden_kind import GoldenKind
 from .goldens import KINDS, Goldens, kind_of_file
 from .limits import MAX_JSON_BYTES, load_json, read_bounded
+from .request_stream import RequestLists, open_parquet
 from .sanity import check_golden_table
 from .validate import validate_header, validate_table, validate_trace
 from .writer import read_parts
@@ -52,6 +53,10 @@ class Trace:
     skipped_parts: list[str] = field(default_factory=list)
     # What reading a recording had to settle (requests still running at its end).
     notes: list[str] = field(default_factory=list)
+    # A streamed read (``read_trace(stream=True)``): the requests table's list
+    # columns, left in its Parquet file and read batch by batch by the replay;
+    # ``requests`` then holds its other columns only.
+    request_lists: RequestLists | None = None
 
     def __post_init__(self) -> None:
         # The header's engine block is always the typed, validated form.
@@ -109,6 +114,9 @@ def write_trace(trace: Trace, out_dir: str | os.PathLike, *, force: bool = False
 
 
 def _fill_trace_dir(trace: Trace, tmp: Path) -> None:
+    if trace.request_lists is not None:
+        raise ValueError("a streamed trace (read_trace(stream=True)) is replayed, "
+                         "not written: read it whole")
     (tmp / schema.HEADER_FILE).write_text(trace.header_json())
     for name in schema.TABLES:
         table = trace.table(name)
@@ -217,18 +225,48 @@ def _fold_finishes(root: Path, requests: pa.Table, finishes: pa.Table | None,
     return requests, events
 
 
-def read_trace(trace_dir: str | os.PathLike) -> Trace:
-    """Read and validate a trace directory; errors name file, column and row."""
+def _read_streamed(path: Path, spec: schema.Table) -> tuple[pa.Table, RequestLists | None]:
+    """The requests table without its list columns, and where those are; a table
+    with no rows or no list columns is read whole (nothing to stream)."""
+    pf = open_parquet(path)
+    try:
+        lists = RequestLists.of_file(path, pf)
+        if not lists.names or not lists.num_rows:
+            pf.close()
+            return _read_table(path, spec), None
+        try:
+            table = pf.read(columns=[n for n in pf.schema_arrow.names if n not in lists.names])
+        except (OSError, pa.ArrowException) as exc:
+            raise TraceError(path, f"not a readable Parquet file ({exc})") from None
+    finally:
+        pf.close()
+    validate_table(path, spec, table, file_schema=lists.file_schema)
+    return table, lists
+
+
+def read_trace(trace_dir: str | os.PathLike, *, stream: bool = False) -> Trace:
+    """Read and validate a trace directory; errors name file, column and row.
+
+    ``stream``: leave the requests table's list columns (prompts, outputs) in
+    its file, read batch by batch when the trace is replayed
+    (:mod:`traces.request_stream`), so a long trace's replay holds memory for
+    its live requests, not for all of them; for a replay only (``run``), other
+    readers of ``requests`` need it whole. Validation is the same, errors too.
+    A recorded trace (a folder of parts) is read whole either way."""
     root = Path(trace_dir)
     header = read_header(root)
     tables: dict[str, pa.Table | None] = {}
     skipped: list[str] = []
+    lists: RequestLists | None = None
     for name, spec in schema.TABLES.items():
         path = root / spec.file
         if path.exists() and (root / spec.name).is_dir():
             raise TraceError(root / spec.name, f"both {spec.file} and a folder of parts; "
                                                "a table is one or the other")
-        if path.exists():
+        if (path.exists() and name == "requests" and stream
+                and not (root / schema.FINISHES.name).is_dir()):
+            tables[name], lists = _read_streamed(path, spec)
+        elif path.exists():
             tables[name] = _read_table(path, spec)
         elif (root / spec.name).is_dir():
             # A recorded table: complete parts merged in order (traces.writer).
@@ -257,7 +295,7 @@ def read_trace(trace_dir: str | os.PathLike) -> Trace:
             key = meta.get(b"engine", path.stem.encode()).decode(errors="replace")
             check_golden_table(path, table, key, kind.file(key))
             goldens[kind.attr][key] = kind.from_table(table)
-    trace = Trace(header=header, **goldens, path=root,
+    trace = Trace(header=header, **goldens, path=root, request_lists=lists,
                   skipped_parts=skipped, notes=notes, **tables)  # type: ignore[arg-type]
     validate_trace(root, trace)
     return trace
