@@ -38,7 +38,7 @@ def _unreadable(path: Path, exc: Exception) -> TraceError:
 
 def open_parquet(path: Path) -> pq.ParquetFile:
     try:
-        return pq.ParquetFile(path, buffer_size=1 << 20)
+        return pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     except (OSError, pa.ArrowException) as exc:
         raise _unreadable(path, exc) from None
 
