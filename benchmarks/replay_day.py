@@ -109,13 +109,20 @@ def _child(mode: str, trace_dir: str) -> dict:
         from traces import read_trace
 
         trace = read_trace(trace_dir, stream=True)
+        curve: list[float] = []         # RSS at each tenth of the requests done: flat or growing?
+
+        def progress(p):
+            if p.done * 10 >= (len(curve) + 1) * p.total:
+                curve.append(round(_status_mb("VmRSS")))
+
         with tempfile.TemporaryFile("w+") as out, engine_here(trace) as adapter:
             stream = JsonStream(out, adapter.info)
-            stream.finish(replay(trace, adapter, sink=stream))
+            stream.finish(replay(trace, adapter, sink=stream, progress=progress))
             n = out.tell()
+        stages = {"RSS at each tenth of the requests done": curve}
     else:
         stages = _stages(trace_dir, stream=mode == "read")
-    peak = stages.pop("peak", None) or _status_mb("VmHWM")
+    peak = stages.pop("peak", None) or _status_mb("VmHWM")      # read modes reset VmHWM
     return {"wall_s": time.perf_counter() - t0, "json_chars": n, "stages": stages,
             "peak_rss_mb": peak}
 
@@ -177,14 +184,18 @@ def main() -> None:
             r = _measure(mode, tdir)
             figures[(mode, label)] = r
             print(_line(label, mode, r, real_s), flush=True)
-            if r["stages"]:
+            if mode == "replay":
+                print("    RSS at each tenth of the requests done (MB): " + " ".join(
+                    map(str, r["stages"]["RSS at each tenth of the requests done"])), flush=True)
+            else:
                 print("    stage peaks above what was held before (MB): " + ", ".join(
                     f"{k} {v:g}" for k, v in r["stages"].items()), flush=True)
     if len(runs) == 2:
         for mode in modes:
             one, many = (figures[(mode, label)] for label, _, _ in runs)
+            target = " (target <= 1.10)" if mode == "replay" else ""
             print(f"{mode}: peak RSS {args.hours} h / 1 h = "
-                  f"{many['peak_rss_mb'] / one['peak_rss_mb']:.3f} (target <= 1.10)")
+                  f"{many['peak_rss_mb'] / one['peak_rss_mb']:.3f}{target}")
 
 
 if __name__ == "__main__":
