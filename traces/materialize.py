@@ -5,7 +5,9 @@ explicit ``prompt_tokens``, or ``prompt_block_ids`` synthesised per block.
 Tokens are made one request at a time, when it arrives, so a replay of the
 whole conversation trace never holds 145 M tokens at once; the other columns
 stay Arrow arrays read one value at a time, so a day of traffic does not
-become a million Python objects either.
+become a million Python objects either. The list columns are held whole
+(:class:`WholeLists`) or, for a streamed trace, read batch by batch from the
+file (:class:`traces.request_stream.ListWindow`): the same values either way.
 """
 
 from __future__ import annotations

@@ -66,15 +66,14 @@ class RequestLists:
     def of_file(cls, path: Path, pf: pq.ParquetFile) -> "RequestLists":
         """Batches sized to ~:data:`BATCH_BYTES` of decoded list values."""
         meta = pf.metadata
-        schema = pf.schema_arrow
-        lists = {schema.get_field_index(n) for n in LIST_COLUMNS if n in schema.names}
+        leaves = [c for c in range(meta.num_columns)      # Parquet leaf columns of the lists
+                  if pf.schema.column(c).path.split(".")[0] in LIST_COLUMNS]
         size = sum(meta.row_group(g).column(c).total_uncompressed_size
-                   for g in range(meta.num_row_groups) for c in range(meta.num_columns)
-                   if pf.schema.column(c).path.split(".")[0] in
-                   {schema.field(i).name for i in lists})
+                   for g in range(meta.num_row_groups) for c in leaves)
         per_row = size / max(1, meta.num_rows)
         rows = int(BATCH_BYTES / per_row) if per_row else MAX_BATCH_ROWS
-        return cls(path, schema, meta.num_rows, max(MIN_BATCH_ROWS, min(MAX_BATCH_ROWS, rows)))
+        return cls(path, pf.schema_arrow, meta.num_rows,
+                   max(MIN_BATCH_ROWS, min(MAX_BATCH_ROWS, rows)))
 
     def batches(self, extra: tuple[str, ...] = ()) -> Iterator[tuple[int, pa.Table]]:
         """(first row, rows) of the list columns and ``extra`` columns, in row order."""

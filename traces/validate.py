@@ -87,7 +87,8 @@ def _check_unique(path: Path, column: pa.ChunkedArray, name: str) -> None:
         return
     # Sorted, equal neighbours: a fraction of the memory a hash of every id takes
     # (count_distinct peaks ~95 MB for a day's 288,744 ids, this ~10 MB).
-    ranked = column.take(pc.sort_indices(column))
+    flat = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    ranked = flat.take(pc.sort_indices(flat))
     if not pc.any(pc.equal(ranked[1:], ranked[:-1])).as_py():
         return
     codes = pc.dictionary_encode(column.combine_chunks()).indices.to_numpy()
