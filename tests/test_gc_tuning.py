@@ -68,6 +68,27 @@ def test_a_higher_threshold_or_disabled_collector_is_left_alone(python_threshold
         assert gc.get_threshold() == given
 
 
+def test_engine_is_built_under_the_raised_threshold(monkeypatch, python_thresholds):
+    """vLLM's import and EngineCore's build (runner.engine_here) run with it too."""
+    import replayer.runner as runner
+
+    seen = []
+
+    class Built:
+        def close(self):
+            seen.append(("close", gc.get_threshold()))
+
+    def open_engine(*args, **kwargs):
+        seen.append(("build", gc.get_threshold()))
+        return Built()
+
+    monkeypatch.setattr(runner, "open_engine", open_engine)
+    with runner.engine_here(load_target(TRACES / "conversation_500")):
+        seen.append(("use", gc.get_threshold()))
+    assert seen == [("build", (REPLAY_GEN0_THRESHOLD, 10, 10)), ("use", python_thresholds),
+                    ("close", python_thresholds)]
+
+
 def test_outcomes_identical_under_pythons_own_thresholds(python_thresholds):
     """conversation_500 through vLLM: the tuned loop against the plain one
     (``replay.__wrapped__``, the loop without the tuning), same ``--json`` bytes."""
