@@ -12,7 +12,7 @@ import gc
 import pytest
 
 from conftest import TRACES
-from replayer.gc_tuning import REPLAY_GEN0_THRESHOLD, fewer_gc_passes
+from replayer.gc_tuning import REPLAY_GEN0_THRESHOLD, REPLAY_GEN2_THRESHOLD, fewer_gc_passes
 from replayer.replay import ReplayError, replay
 from replayer.report import dumps
 from replayer.runner import engine_here
@@ -32,6 +32,8 @@ class ThresholdSeen(FakeEngine):
         return super().step()
 
 
+RAISED = (REPLAY_GEN0_THRESHOLD, 10, REPLAY_GEN2_THRESHOLD)
+
 SCENARIO = """\
     requests:
       - {id: a, prompt: {stream: s, len: 64}, output_len: 4}
@@ -50,7 +52,7 @@ def python_thresholds():
 def test_loop_runs_with_the_raised_threshold_and_restores_it(tmp_path, python_thresholds):
     engine = ThresholdSeen()
     run(tmp_path, SCENARIO, engine)
-    assert engine.thresholds == {(REPLAY_GEN0_THRESHOLD, 10, 10)}
+    assert engine.thresholds == {RAISED}
     assert gc.get_threshold() == python_thresholds
 
 
@@ -60,11 +62,13 @@ def test_threshold_restored_when_the_replay_fails(tmp_path, python_thresholds):
     assert gc.get_threshold() == python_thresholds
 
 
-def test_a_higher_threshold_or_disabled_collector_is_left_alone(python_thresholds):
-    for given in ((100_000, 5, 5), (0, 10, 10)):
+def test_higher_thresholds_and_a_disabled_collector_are_kept(python_thresholds):
+    for given, inside in (((100_000, 5, 500), (100_000, 5, 500)),
+                          ((100_000, 5, 5), (100_000, 5, REPLAY_GEN2_THRESHOLD)),
+                          ((0, 10, 10), (0, 10, 10))):
         gc.set_threshold(*given)
         with fewer_gc_passes():
-            assert gc.get_threshold() == given
+            assert gc.get_threshold() == inside
         assert gc.get_threshold() == given
 
 
@@ -85,7 +89,7 @@ def test_engine_is_built_under_the_raised_threshold(monkeypatch, python_threshol
     monkeypatch.setattr(runner, "open_engine", open_engine)
     with runner.engine_here(load_target(TRACES / "conversation_500")):
         seen.append(("use", gc.get_threshold()))
-    assert seen == [("build", (REPLAY_GEN0_THRESHOLD, 10, 10)), ("use", python_thresholds),
+    assert seen == [("build", RAISED), ("use", python_thresholds),
                     ("close", python_thresholds)]
 
 
