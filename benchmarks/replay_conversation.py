@@ -17,8 +17,13 @@ its ratio to vLLM's, peak RSS and the hit rate; then the fast / step-by-step
 wall ratio and whether both wrote the same ``--json`` bytes ("identical: yes").
 Each measurement runs in a fresh process so start-up and peak RSS are honest.
 
-    python benchmarks/replay_conversation.py            # everything (~15 min)
-    python benchmarks/replay_conversation.py --quick    # first 1,000 requests only
+    python benchmarks/replay_conversation.py            # everything, once (~15 min)
+    python benchmarks/replay_conversation.py --quick    # first 1,000 requests, 3 runs each
+
+Single runs on a 2-core machine vary by up to 40%, so each measurement runs
+``--repeat N`` times (interleaved across modes, each with its own
+PYTHONHASHSEED) and the median run is printed with the min-max of its wall
+times; "identical" means every ``--json`` of every run and mode hashed alike.
 
 ``MOONCAKE_TRACE`` names the source JSONL if it is not in ``../shared/traces``.
 """
@@ -103,8 +108,8 @@ def _child(mode: str, trace_dir: str) -> dict:
             "peak_rss_mb": rss, "startup_s": startup, "json_sha256": digest}
 
 
-def _measure(mode: str, trace_dir: Path) -> dict:
-    env = dict(os.environ, PYTHONHASHSEED="0",
+def _measure(mode: str, trace_dir: Path, hash_seed: int) -> dict:
+    env = dict(os.environ, PYTHONHASHSEED=str(hash_seed),
                PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}")
     out = subprocess.run([sys.executable, __file__, "--child", mode, str(trace_dir)],
                          env=env, capture_output=True, text=True)
@@ -113,17 +118,45 @@ def _measure(mode: str, trace_dir: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median wall time (its own figures, not a mix of runs), with
+    the spread of wall times across runs."""
+    ordered = sorted(runs, key=lambda r: r["wall_s"])
+    mid = dict(ordered[(len(ordered) - 1) // 2])
+    mid["wall_min_s"], mid["wall_max_s"] = ordered[0]["wall_s"], ordered[-1]["wall_s"]
+    return mid
+
+
+def measure_modes(modes: list[str], trace_dir: Path, repeat: int) -> tuple[dict, set]:
+    """Each mode ``repeat`` times, interleaved (step, fast, step, fast, ...) so
+    that a slow spell of the machine hits both alike; each run in a fresh process
+    with its own PYTHONHASHSEED. Returns the median run per mode and every
+    ``--json`` digest seen (one digest: identical across modes, runs and seeds)."""
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for k in range(repeat):
+        for mode in modes:
+            runs[mode].append(_measure(mode, trace_dir, hash_seed=k * 7919 + 1))
+    digests = {r["json_sha256"] for m in modes if m in MODES for r in runs[m]}
+    return {m: median_run(rs) for m, rs in runs.items()}, digests
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="first 1,000 requests only")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append")
     ap.add_argument("--bare", action="store_true", help="also run the bare scheduler loop")
+    ap.add_argument("--repeat", type=int, metavar="N",
+                    help="runs of each measurement; the median run is printed "
+                         "(default 3 with --quick, else 1)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     public_trace.add_argument(ap)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(_child(*args.child)))
         return
+    repeat = args.repeat or (3 if args.quick else 1)
+    if repeat < 1:
+        ap.error("--repeat must be at least 1")
     source = public_trace.trace_path(args)
     sys.path.insert(0, str(ROOT))
     from traces.importers.mooncake import import_mooncake
@@ -131,33 +164,35 @@ def main() -> None:
 
     slices = [1000] if args.quick else [1000, None]
     work = Path(tempfile.mkdtemp(prefix="replayer-bench-"))
-    print(f"{'geometry':<27} {'requests':>8} {'mode':<12} {'wall s':>7} {'x real':>7} "
-          f"{'cpu s':>7} {'start s':>7} {'steps':>7} {'vllm s':>7} {'harness s':>9} {'ratio':>6} {'rss MB':>7} "
-          f"{'hit':>6}")
+    print(f"median of {repeat} run{'s' * (repeat > 1)} each, each in a fresh process "
+          f"(PYTHONHASHSEED differs per run)", flush=True)
+    print(f"{'geometry':<27} {'requests':>8} {'mode':<12} {'wall s':>7} {'min-max':>11} "
+          f"{'x real':>7} {'cpu s':>7} {'start s':>7} {'steps':>7} {'vllm s':>7} "
+          f"{'harness s':>9} {'ratio':>6} {'rss MB':>7} {'hit':>6}")
     for name in args.geometry or list(GEOMETRIES):
         for limit in slices:
             trace = import_mooncake(source, limit=limit, engine=GEOMETRIES[name])
             tdir = write_trace(trace, work / f"{name}-{limit or 'all'}")
             ms = trace.requests["arrival_ms"].to_pylist()
             real_s = (ms[-1] - ms[0]) / 1000 or 1.0
-            rows = {}
-            for mode in (["bare"] if args.bare else []) + list(MODES):
-                r = _measure(mode, tdir)
-                rows[mode] = r
+            rows, digests = measure_modes((["bare"] if args.bare else []) + list(MODES),
+                                          tdir, repeat)
+            for mode, r in rows.items():
                 harness = r["wall_s"] - r["vllm_s"]
+                spread = f"{r['wall_min_s']:.1f}-{r['wall_max_s']:.1f}"
                 print(f"{name:<27} {trace.requests.num_rows:>8} {mode:<12} {r['wall_s']:>7.1f} "
-                      f"{real_s / r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} {r['startup_s']:>7.1f} {r['steps']:>7} "
-                      f"{r['vllm_s']:>7.1f} "
+                      f"{spread:>11} {real_s / r['wall_s']:>7.1f} {r['cpu_s']:>7.1f} "
+                      f"{r['startup_s']:>7.1f} {r['steps']:>7} {r['vllm_s']:>7.1f} "
                       f"{harness:>9.1f} {harness / r['vllm_s']:>6.2f} {r['peak_rss_mb']:>7.0f} "
                       f"{r['hit_rate']:>6.1%}", flush=True)
             slow, fast = rows["step-by-step"], rows["fast"]
-            same = fast["json_sha256"] == slow["json_sha256"]
+            same = len(digests) == 1
             print(f"{'':<27} step-by-step {slow['wall_s']:.1f} s, fast {fast['wall_s']:.1f} s, "
                   f"fast / step-by-step = {fast['wall_s'] / slow['wall_s']:.3f} "
                   f"(CPU {fast['cpu_s'] / slow['cpu_s']:.3f}), "
                   f"{real_s / fast['wall_s']:.1f}x real time, peak RSS "
-                  f"{fast['peak_rss_mb']:.0f} MB; identical: {'yes' if same else 'NO'}",
-                  flush=True)
+                  f"{fast['peak_rss_mb']:.0f} MB; identical: {'yes' if same else 'NO'} "
+                  f"({2 * repeat} --json outputs)", flush=True)
             if "bare" in rows:
                 print(f"{'':<27} fast / bare wall = {fast['wall_s'] / rows['bare']['wall_s']:.3f}",
                       flush=True)
