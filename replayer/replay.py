@@ -22,6 +22,7 @@ from traces.materialize import TokenSource, request_rows
 from traces.outcome import RequestOutcome
 
 from .engines.base import EngineAdapter, EngineInfo, EngineRequest
+from .gc_tuning import fewer_gc_passes
 from .schedule import Event, Schedule
 
 # A step in which nothing could be scheduled, this many times running, means the
@@ -184,6 +185,7 @@ def run_targeted(engine: EngineAdapter, ev: Event, clock: int, arrived: bool | N
         raise ReplayError(f"{head}: {exc}") from None
 
 
+@fewer_gc_passes()
 def replay(trace: Trace, engine: EngineAdapter,
            progress: Callable[[Progress], None] | None = None,
            shortcuts: bool = True,

@@ -21,6 +21,7 @@ from traces import Trace
 from .determinism import engine_hash_seed
 from .engines import EngineAdapter, open_engine
 from .engines.specs import INSTALLED, EngineSpec, ResolvedEngine, resolve
+from .gc_tuning import fewer_gc_passes
 from .replay import Progress, ReplayResult, refuse_unsupported, replay
 
 Runner = Callable[..., ReplayResult]
@@ -37,7 +38,9 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
     ``record_dir`` records the replay there through vLLM's own hooks."""
     refuse_unsupported(trace)
     engine = trace.sized_engine()
-    with engine_hash_seed(engine.hash_seed):
+    # Importing vLLM (first use) and building its engine allocate millions of
+    # objects that all survive: fewer GC passes over them (replayer.gc_tuning).
+    with engine_hash_seed(engine.hash_seed), fewer_gc_passes():
         adapter = open_engine(engine, resolve(spec), store=store,
                               record_dir=None if record_dir is None else str(record_dir),
                               kv_events=trace.collects_kv_events)
