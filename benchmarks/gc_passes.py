@@ -88,13 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=1000, help="first N requests (default 1000)")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append")
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    public_trace.add_argument(ap)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(_child(*args.child)))
-        return
-    source = public_trace.trace_path(args)
+    args, source = public_trace.parse_or_run_child(ap, _child)
     from traces.importers.mooncake import import_mooncake
     from traces.trace import write_trace
 

@@ -10,6 +10,7 @@ when present. Missing: one line saying where to get it, exit 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -39,3 +40,16 @@ def trace_path(args: argparse.Namespace) -> Path:
               f"{ENV}", file=sys.stderr)
         sys.exit(2)
     return path
+
+
+def parse_or_run_child(ap: argparse.ArgumentParser, child) -> tuple[argparse.Namespace, Path]:
+    """The benchmark's arguments and trace; a measuring child (``--child MODE
+    DIR``, run in a fresh process so start-up and peak RSS are its own) instead
+    prints ``child(MODE, DIR)``'s figures as one JSON line and exits."""
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    add_argument(ap)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        sys.exit(0)
+    return args, trace_path(args)

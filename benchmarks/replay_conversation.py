@@ -148,16 +148,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, metavar="N",
                     help="runs of each measurement; the median run is printed "
                          "(default 3 with --quick, else 1)")
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    public_trace.add_argument(ap)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(_child(*args.child)))
-        return
+    args, source = public_trace.parse_or_run_child(ap, _child)
     repeat = args.repeat or (3 if args.quick else 1)
     if repeat < 1:
         ap.error("--repeat must be at least 1")
-    source = public_trace.trace_path(args)
     sys.path.insert(0, str(ROOT))
     from traces.importers.mooncake import import_mooncake
     from traces.trace import write_trace

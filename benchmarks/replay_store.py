@@ -70,13 +70,7 @@ def _child(backend: str, trace_dir: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=1000)
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    public_trace.add_argument(ap)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(_child(*args.child)))
-        return
-    source = public_trace.trace_path(args)
+    args, source = public_trace.parse_or_run_child(ap, _child)
     sys.path.insert(0, str(ROOT))
     from traces.importers.mooncake import import_mooncake
     from traces.trace import write_trace
