@@ -218,3 +218,16 @@ def test_streamed_errors_are_the_whole_reads_first_error(tmp_path):
         read_trace(path, stream=True)
     assert whole.value.row == 480
     assert str(streamed.value) == str(whole.value)
+
+
+def test_a_file_changed_after_the_read_is_an_error_not_other_tokens(tmp_path):
+    """A streamed trace reads its requests file again when it replays: a file
+    replaced in between (another trace written over it) is refused, naming it."""
+    trace_dir = write_trace(read_trace(TRACES / "conversation_500"), tmp_path / "t")
+    trace = read_trace(trace_dir, stream=True)
+    assert trace.request_lists is not None
+    table = pq.read_table(trace_dir / "requests.parquet")
+    pq.write_table(table.slice(0, 10), trace_dir / "requests.parquet")
+    source = TokenSource(trace.header, trace.requests, trace.request_lists)
+    with pytest.raises(TraceError, match="requests.parquet.*changed since the trace was read"):
+        source.prompt(0)

@@ -17,6 +17,7 @@ its batch is passed (the batch is compacted to its unreleased rows).
 from __future__ import annotations
 
 import bisect
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,6 +44,15 @@ def open_parquet(path: Path) -> pq.ParquetFile:
         raise _unreadable(path, exc) from None
 
 
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, modification time) of ``path``; None if it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def list_arrays(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(offsets, values, validity) of a list array, as numpy (offsets index values)."""
     return (arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False),
@@ -57,6 +67,8 @@ class RequestLists:
     def __init__(self, path: Path, file_schema: pa.Schema, num_rows: int,
                  batch_rows: int) -> None:
         self.path = Path(path)
+        # The file as validated: a replay reads it again, and must read the same.
+        self.stamp = _stamp(self.path)
         self.file_schema = file_schema
         self.names = tuple(n for n in file_schema.names if n in LIST_COLUMNS)
         self.num_rows = num_rows
@@ -77,6 +89,9 @@ class RequestLists:
 
     def batches(self, extra: tuple[str, ...] = ()) -> Iterator[tuple[int, pa.Table]]:
         """(first row, rows) of the list columns and ``extra`` columns, in row order."""
+        if _stamp(self.path) != self.stamp:
+            raise TraceError(self.path, "changed since the trace was read and validated; "
+                                        "read it again")
         pf = open_parquet(self.path)
         it = pf.iter_batches(batch_size=self.batch_rows, columns=[*self.names, *extra])
         first = 0
