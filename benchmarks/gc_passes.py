@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,7 +90,6 @@ def main() -> None:
     from traces.trace import write_trace
 
     work = Path(tempfile.mkdtemp(prefix="replayer-gc-"))
-    env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}")
     print(f"{'geometry':<27} {'gc':<9} {'start passes':>12} {'gc s':>6} {'cpu s':>6} "
           f"{'loop passes':>11} {'gc s':>6} {'cpu s':>6}")
     for name in args.geometry or list(GEOMETRIES):
@@ -101,11 +97,7 @@ def main() -> None:
         tdir = write_trace(trace, work / name)
         digests = set()
         for mode in MODES:
-            out = subprocess.run([sys.executable, __file__, "--child", mode, str(tdir)],
-                                 env=env, capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(f"{mode} on {name} failed:\n{out.stderr[-3000:]}")
-            r = json.loads(out.stdout.strip().splitlines()[-1])
+            r = public_trace.run_child(__file__, mode, tdir)
             digests.add(r["json_sha256"])
             print(f"{name:<27} {mode:<9} {r['start_passes']:>12} {r['start_gc_s']:>6.2f} "
                   f"{r['start_cpu_s']:>6.1f} {r['loop_passes']:>11} {r['loop_gc_s']:>6.2f} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,3 +54,18 @@ def parse_or_run_child(ap: argparse.ArgumentParser, child) -> tuple[argparse.Nam
         print(json.dumps(child(*args.child)))
         sys.exit(0)
     return args, trace_path(args)
+
+
+def run_child(script: str, mode: str, trace_dir: Path, hash_seed: int = 0) -> dict:
+    """Run ``script --child MODE DIR`` in a fresh process (this checkout and
+    ``benchmarks/`` importable, ``PYTHONHASHSEED=hash_seed``) and return the
+    figures its last line prints; a failing child stops the benchmark with
+    the tail of its stderr."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONHASHSEED=str(hash_seed),
+               PYTHONPATH=f"{root}:{root / 'benchmarks'}")
+    out = subprocess.run([sys.executable, script, "--child", mode, str(trace_dir)],
+                         env=env, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"{mode} on {trace_dir} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -108,16 +106,6 @@ def _child(mode: str, trace_dir: str) -> dict:
             "peak_rss_mb": rss, "startup_s": startup, "json_sha256": digest}
 
 
-def _measure(mode: str, trace_dir: Path, hash_seed: int) -> dict:
-    env = dict(os.environ, PYTHONHASHSEED=str(hash_seed),
-               PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}")
-    out = subprocess.run([sys.executable, __file__, "--child", mode, str(trace_dir)],
-                         env=env, capture_output=True, text=True)
-    if out.returncode:
-        sys.exit(f"{mode} on {trace_dir} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def median_run(runs: list[dict]) -> dict:
     """The run of median wall time (its own figures, not a mix of runs), with
     the spread of wall times across runs."""
@@ -135,7 +123,8 @@ def measure_modes(modes: list[str], trace_dir: Path, repeat: int) -> tuple[dict,
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for k in range(repeat):
         for mode in modes:
-            runs[mode].append(_measure(mode, trace_dir, hash_seed=k * 7919 + 1))
+            runs[mode].append(public_trace.run_child(__file__, mode, trace_dir,
+                                                     hash_seed=k * 7919 + 1))
     digests = {r["json_sha256"] for m in modes if m in MODES for r in runs[m]}
     return {m: median_run(rs) for m, rs in runs.items()}, digests
 

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from day_trace import HOUR_MS, write_day  # noqa: E402
+from public_trace import run_child  # noqa: E402
 from replay_conversation import GEOMETRIES, quiet_child  # noqa: E402
 
 
@@ -127,15 +126,6 @@ def _child(mode: str, trace_dir: str) -> dict:
             "peak_rss_mb": peak}
 
 
-def _measure(mode: str, trace_dir: Path) -> dict:
-    env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}")
-    out = subprocess.run([sys.executable, __file__, "--child", mode, str(trace_dir)],
-                         env=env, capture_output=True, text=True)
-    if out.returncode:
-        sys.exit(f"{mode} on {trace_dir} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _trace_dir(work: Path, hours: int, limit: int | None, geometry: str) -> Path:
     """The N-hour trace in ``work``, written once (``day_trace.py``)."""
     name = f"{hours}h" + (f"-first{limit}" if limit else "") + f"-{geometry}"
@@ -181,7 +171,7 @@ def main() -> None:
     figures = {}
     for label, tdir, real_s in runs:
         for mode in modes:
-            r = _measure(mode, tdir)
+            r = run_child(__file__, mode, tdir)
             figures[(mode, label)] = r
             print(_line(label, mode, r, real_s), flush=True)
             if mode == "replay":

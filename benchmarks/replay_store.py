@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,7 +61,7 @@ def _child(backend: str, trace_dir: str) -> dict:
             "lookups": sum(1 for r in rows if r["op"] == "lookup"),
             "bytes": sum(r["bytes"] for r in puts + gets),
             "hit_rate": result.summary()["hit_rate"],
-            "external": sum(r["num_external_cached_tokens"] or 0 for r in result.requests),
+            "external": sum(r.num_external_cached_tokens or 0 for r in result.requests),
             "digest": hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -83,12 +82,7 @@ def main() -> None:
           f"{'from store':>10} {'rss MB':>7}")
     digests = {}
     for backend in ("memory", "mooncake"):
-        env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=str(ROOT))
-        out = subprocess.run([sys.executable, __file__, "--child", backend, str(trace_dir)],
-                             env=env, capture_output=True, text=True)
-        if out.returncode:
-            sys.exit(f"{backend} failed:\n{out.stderr[-3000:]}")
-        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = public_trace.run_child(__file__, backend, trace_dir)
         digests[backend] = r["digest"]
         print(f"{backend:<9} {r['wall_s']:>7.1f} {r['vllm_s']:>7.1f} {r['store_s']:>8.2f} "
               f"{r['store_s'] / r['vllm_s']:>10.2f} {r['puts']:>6} "

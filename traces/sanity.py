@@ -43,8 +43,9 @@ def check_async_scheduling(path: Any, engine: EngineBlock, source_kind: str | No
 
 def request_bound_checks(path: Path, engine: EngineBlock,
                          names: set[str]) -> list[tuple[bool, Callable[[pa.Table], None]]]:
-    """:func:`check_request_bounds` as ordered checks, each ``(reads a list column,
-    check)``, so that a streamed read runs the list ones batch by batch
+    """Lengths within MAX_TOKENS and ``max_model_len``, refused as vLLM's front
+    end does, as ordered checks, each ``(reads a list column, check)``, so that
+    a streamed read runs the list ones batch by batch
     (:func:`traces.validate.validate_request_batches`)."""
     checks: list[tuple[bool, Callable[[pa.Table], None]]] = []
 
@@ -80,12 +81,6 @@ def request_bound_checks(path: Path, engine: EngineBlock,
         checks.append((False, lambda t: check_after_cycles(path, t["id"].to_pylist(),
                                                            t["after"].to_pylist())))
     return checks
-
-
-def check_request_bounds(path: Path, engine: EngineBlock, requests: pa.Table) -> None:
-    """Lengths within MAX_TOKENS and ``max_model_len``, refused as vLLM's front end does."""
-    for _, check in request_bound_checks(path, engine, set(requests.column_names)):
-        check(requests)
 
 
 def check_after_cycles(path: Path, ids: list[Any], afters: list[Any]) -> None:
