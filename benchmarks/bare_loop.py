@@ -14,7 +14,7 @@ from contextlib import ExitStack
 
 def bare_loop(trace):
     t0 = time.perf_counter()
-    from replayer.runner import engine_here
+    from replayer.execution.in_process import engine_here
     from traces.materialize import TokenSource, request_rows
 
     from vllm.sampling_params import SamplingParams

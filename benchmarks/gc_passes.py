@@ -64,7 +64,7 @@ def _child(mode: str, trace_dir: str) -> dict:
         gc_tuning.REPLAY_GEN0_THRESHOLD, gc_tuning.REPLAY_GEN2_THRESHOLD = python[0], python[2]
     from replayer.replay import replay
     from replayer.report import dumps
-    from replayer.runner import engine_here
+    from replayer.execution.in_process import engine_here
     from traces import read_trace
 
     trace = read_trace(trace_dir)

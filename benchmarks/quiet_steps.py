@@ -28,7 +28,7 @@ from replay_conversation import GEOMETRIES, SOURCE  # noqa: E402
 
 def count(geometry: str, limit: int) -> dict:
     from replayer.replay import replay
-    from replayer.runner import engine_here
+    from replayer.execution.in_process import engine_here
     from traces.importers.mooncake import import_mooncake
 
     trace = import_mooncake(SOURCE, limit=limit, engine=GEOMETRIES[geometry])

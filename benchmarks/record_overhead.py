@@ -56,7 +56,7 @@ def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
     _setup()
     from traces import load_target
     from replayer.replay import replay
-    from replayer.runner import engine_here
+    from replayer.execution.in_process import engine_here
     from replayer.store import StoreSpec
 
     from replayer.recorder import scheduler as rec_sched

@@ -81,7 +81,7 @@ def _child(mode: str, trace_dir: str) -> dict:
     t0 = time.perf_counter()
     quiet_child()
     from traces import read_trace
-    from replayer.runner import replay_on
+    from replayer.execution.clients import replay_on
 
     trace = read_trace(trace_dir)
     digest = None

@@ -104,7 +104,7 @@ def _child(mode: str, trace_dir: str) -> dict:
         # batches, outcomes written as they complete.
         from replayer.replay import replay
         from replayer.report import JsonStream
-        from replayer.runner import engine_here
+        from replayer.execution.in_process import engine_here
         from traces import read_trace
 
         trace = read_trace(trace_dir, stream=True)

@@ -43,7 +43,7 @@ def _child(backend: str, trace_dir: str) -> dict:
                  "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "3"}.items():
         os.environ.setdefault(k, v)
     sys.path.insert(0, str(ROOT))
-    from replayer.runner import replay_on
+    from replayer.execution.clients import replay_on
     from replayer.store import StoreSpec
     from traces import read_trace
 

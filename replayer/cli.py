@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -17,29 +16,17 @@ from typing import Sequence
 
 from traces import TraceError, load_target
 
+from .execution.environment import quiet_vllm
+
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), or the path of a "
                "vLLM source tree")
 
 
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch",
-             # Mooncake's C++ client and master (glog before init, then its own levels).
-             "GLOG_minloglevel": "3", "MC_LOG_LEVEL": "ERROR", "MC_YLT_LOG_LEVEL": "error"}
-
-
-def _quiet_vllm(verbose: bool) -> None:
-    """vLLM and torch stay quiet unless --verbose (set before they are imported)."""
-    for key, value in OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)
-    if verbose:
-        os.environ["PREFIX_REPLAYER_VERBOSE"] = "1"
-        return
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    # The recorder logs a failed write at once (a server's log); here the error line says it.
-    logging.getLogger("prefix_replayer.recorder").addHandler(logging.NullHandler())
+def no_server_opt(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--no-server", action="store_true",
+                    help="replay cold in this command even while a warm server runs "
+                         "(also PREFIX_REPLAYER_NO_SERVER=1)")
 
 
 def force_opt(sp: argparse.ArgumentParser) -> None:
@@ -60,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         if engine:
             sp.add_argument("--engine", default="installed", metavar="SPEC", help=ENGINE_HELP)
         sp.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
+        no_server_opt(sp)
         sp.add_argument("--no-progress", action="store_true", help="never show a progress bar")
         sp.add_argument("--no-shortcuts", action="store_true",
                         help="no speed shortcuts (reused prefix hashes): every request takes "
@@ -120,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--parquet", metavar="OUT", help="write the table as Parquet")
     sw.add_argument("--engine", default="installed", metavar="SPEC", help=ENGINE_HELP)
     sw.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
+    no_server_opt(sw)
     set_opt(sw)
 
     rep = sub.add_parser("report", help="a self-contained HTML page: hit rate over time, "
@@ -166,6 +155,20 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--engine", metavar="ENGINE.yaml", help="YAML file with an engine: block")
     imp.add_argument("--step-ms", type=int, default=None,
                      help="milliseconds of production time per engine step (default 20)")
+
+    srv = sub.add_parser("server", help="a warm engine server: vLLM imported once, every "
+                                        "replay a fresh fork of it (start, status, stop)")
+    srv.add_argument("action", choices=["start", "status", "stop"])
+    srv.add_argument("--engine", action="append", metavar="SPEC",
+                     help="start: warm this engine now (repeatable; default installed; "
+                          "others start on their first replay)")
+    srv.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+                     help="start: stop by itself after this long unused (default 4 h)")
+    srv.add_argument("--replay-timeout", type=float, default=None, metavar="SECONDS",
+                     help="start: kill a replay that runs longer, and report it (default: none)")
+    srv.add_argument("--replay-memory", type=int, default=None, metavar="MB",
+                     help="start: kill a replay that holds more memory of its own, and "
+                          "report it (default: none)")
 
     info = sub.add_parser("info", help="print a trace's header and table sizes")
     info.add_argument("target")
@@ -227,18 +230,14 @@ def _store_spec(args):
 
 
 def _replay(target, args, run, **sink):
-    """Replay ``target`` on ``run`` (from :func:`replayer.runner.engine_runner`);
+    """Replay ``target`` on ``run`` (from :func:`replayer.execution.clients.engine_runner`);
     says each engine note once on stderr. ``sink=``: outcomes streamed there
     (a runner in this process)."""
     from .engines import EngineError
     from .engines.config_errors import BUILD_FAILED
     from .progress import ProgressBar
 
-    store = _store_spec(args)
-    if store.host is not None and target.engine.connector:
-        from .store.master import wait_reachable
-
-        wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
+    store = _ready_store(target, args)
     bar = ProgressBar(enabled=None if not args.no_progress else False)
     try:
         # Only said when off, so runners that predate the option keep working.
@@ -250,25 +249,53 @@ def _replay(target, args, run, **sink):
         raise
     finally:
         bar.close()
+    _say_notes(result)
+    return result
+
+
+def _ready_store(target, args):
+    """The store spec, its master reachable first where the trace uses one."""
+    store = _store_spec(args)
+    if store.host is not None and target.engine.connector:
+        from .store.master import wait_reachable
+
+        wait_reachable(store.host, store.port)      # seconds, before vLLM is even imported
+    return store
+
+
+def _explain(trace, args, run):
+    """explain's replays: all at once on the warm server, else one after the other."""
+    from .explain import explain
+
+    many = None
+    if getattr(run, "parallel", False):
+        def many(traces):
+            results = run.replay_many(traces, store=_ready_store(trace, args))
+            for result in results:
+                _say_notes(result)
+            return results
+    return explain(trace, run=lambda t: _replay(t, args, run), run_many=many)
+
+
+def _say_notes(result) -> None:
     for note in result.notes:
         if note not in _NOTES_SAID:
             _NOTES_SAID.add(note)
             print(f"replayer: note: {note}", file=sys.stderr)
-    return result
 
 
 def cmd_run(args) -> int:
     from .engines.specs import parse_spec
     from traces.atomic import write_atomic
 
-    from .engines.specs import INSTALLED, resolve
+    from .execution.clients import engine_runner, runs_in_this_process
     from .report import SpooledJson, dumps, run_table
-    from .runner import engine_runner
 
     spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
     _check_outputs(args)                    # and an output that cannot be written
-    # The installed vLLM replays in this process: its prompts are read batch by batch.
-    trace = _load_with_sets(args.target, args.set, stream=spec.kind == INSTALLED)
+    here = runs_in_this_process(spec)
+    # Replayed in this process: its prompts are read batch by batch.
+    trace = _load_with_sets(args.target, args.set, stream=here)
     _note_skipped(trace)
     if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
@@ -276,8 +303,7 @@ def cmd_run(args) -> int:
     if args.kv_events:
         trace.kv_events_wanted = True
     # --json FILE in this process: outcomes spooled as they complete, never all held.
-    spool = (SpooledJson() if args.json and args.json != "-" and resolve(spec).runs_here()
-             else None)
+    spool = SpooledJson() if args.json and args.json != "-" and here else None
     with engine_runner(spec) as run:
         result = _replay(trace, args, run, **({} if spool is None else {"sink": spool}))
     print(run_table(result, shown_of=spool), file=sys.stderr if args.json == "-" else sys.stdout)
@@ -346,7 +372,7 @@ def _expand_targets(targets: Sequence[str]) -> list[Path]:
 def cmd_check(args) -> int:
     from .engines import UnsupportedByEngine
     from .engines.specs import parse_spec
-    from .runner import engine_runner
+    from .execution.clients import engine_runner
 
     spec = parse_spec(args.engine)
     paths = _expand_targets(args.targets)
@@ -397,7 +423,7 @@ def cmd_explain(args) -> int:
     from .explain import explain
     from .explain_report import render, write_parquet_atomic
     from traces.atomic import write_atomic
-    from .runner import engine_runner
+    from .execution.clients import engine_runner
 
     spec = parse_spec(args.engine)
     if args.top < 0:
@@ -406,7 +432,7 @@ def cmd_explain(args) -> int:
     _note_skipped(trace)
     _store_spec(args)                        # a bad --store is reported before any replay
     with engine_runner(spec) as run:         # one engine process for every counterfactual
-        ex = explain(trace, run=lambda t: _replay(t, args, run))
+        ex = _explain(trace, args, run)
     print(render(ex, top=args.top))
     if args.parquet:
         write_parquet_atomic(args.parquet, ex.table)
@@ -460,7 +486,7 @@ def cmd_report(args) -> int:
     from .explain import explain
     from .html_report import render_html
     from traces.atomic import write_atomic
-    from .runner import engine_runner
+    from .execution.clients import engine_runner
 
     spec = parse_spec(args.engine)
     sweep = None
@@ -478,7 +504,7 @@ def cmd_report(args) -> int:
     _note_skipped(trace)
     _store_spec(args)
     with engine_runner(spec) as run:
-        ex = explain(trace, run=lambda t: _replay(t, args, run))
+        ex = _explain(trace, args, run)
     write_atomic(args.output, render_html(ex, str(args.target), trace.header, sweep))
     s = ex.summary()
     print(f"wrote {args.output}: {s['requests']} requests, hit rate {s['hit_rate']:.1%} of "
@@ -534,7 +560,7 @@ def cmd_diff(args) -> int:
     from .diff import compare_results, diff_table
     from .engines.specs import parse_spec
     from traces.atomic import write_atomic
-    from .runner import engine_runner
+    from .execution.clients import engine_runner
 
     if len(args.engine) != 2:
         return _err(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
@@ -559,7 +585,7 @@ def cmd_diff(args) -> int:
 def cmd_bisect(args) -> int:
     """Prints the header first and each replay as it ends (each takes 10-35 s)."""
     from .bisect import CommitLine, conclusion, header_line, probe_line, release_line, search
-    from .runner import engine_runner
+    from .execution.clients import engine_runner
 
     def say(text: str) -> None:
         print(text, flush=True)
@@ -721,22 +747,51 @@ def cmd_anonymize(args) -> int:
     return EXIT_OK
 
 
+def cmd_server(args) -> int:
+    from .execution.warm import control
+
+    if args.action != "start" and (args.engine or args.idle_timeout is not None
+                                   or args.replay_timeout or args.replay_memory):
+        return _err(f"server {args.action} takes no options")
+    if args.action == "start":
+        from .execution.warm.server import DEFAULT_IDLE_TIMEOUT_S
+
+        idle = DEFAULT_IDLE_TIMEOUT_S if args.idle_timeout is None else args.idle_timeout
+        if idle <= 0 or (args.replay_timeout is not None and args.replay_timeout <= 0) \
+                or (args.replay_memory is not None and args.replay_memory <= 0):
+            return _err("--idle-timeout, --replay-timeout and --replay-memory must be positive")
+        lines, code = control.start(args.engine or ["installed"], idle, args.replay_timeout,
+                                    args.replay_memory)
+    elif args.action == "status":
+        lines, code = control.status()
+    else:
+        lines, code = control.stop()
+    for line in lines:
+        print(line, file=sys.stderr if line.startswith("replayer: error") else sys.stdout)
+    return code
+
+
 COMMANDS = {"run": cmd_run, "check": cmd_check, "explain": cmd_explain, "sweep": cmd_sweep,
             "report": cmd_report,
             "diff": cmd_diff, "bisect": cmd_bisect,
             "compile": cmd_compile, "import": cmd_import, "info": cmd_info,
-            "anonymize": cmd_anonymize}
+            "anonymize": cmd_anonymize, "server": cmd_server}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(args_list)
-    if args.command in ("run", "check", "explain", "sweep", "report", "diff", "bisect") \
-            and argv is None:
-        from .determinism import reexec_with_pinned_seed
+    from .__main__ import REPLAY_COMMANDS
+
+    if args.command in REPLAY_COMMANDS and argv is None:
+        from .execution.determinism import reexec_with_pinned_seed
 
         reexec_with_pinned_seed(args_list)
-    _quiet_vllm(getattr(args, "verbose", False))
+    quiet_vllm(getattr(args, "verbose", False))
+    if getattr(args, "no_server", False):
+        from .execution.warm.paths import NO_SERVER_ENV
+
+        os.environ[NO_SERVER_ENV] = "1"
     from .engines import EngineError
     from .replay import ReplayError
     from .store import StoreError

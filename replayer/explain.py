@@ -232,14 +232,27 @@ def refuse_unexplainable(trace: Trace) -> None:
 
 
 def explain(trace: Trace, run: Replayer, *,
-            progress: Callable[[str], None] | None = None) -> Explanation:
+            progress: Callable[[str], None] | None = None,
+            run_many: Callable[[list[Trace]], list[ReplayResult]] | None = None) -> Explanation:
     """Replay ``trace`` and its counterfactuals with ``run`` (a runner from
-    :func:`replayer.runner.engine_runner`: the one way an engine opens) and
-    account for every lost token."""
+    :func:`replayer.execution.clients.engine_runner`: the one way an engine opens) and
+    account for every lost token. ``run_many``: replays a list of traces at
+    once (the warm server's forks); the counterfactual traces never depend on
+    a replay's outcome, so every replay can start together and the result is
+    the same as one after the other."""
     refuse_unexplainable(trace)
     say = progress or (lambda _msg: None)
-    say("baseline replay")
-    base = run(trace)
+    steps = counterfactuals(trace)
+    if run_many is not None:
+        chain = [trace]
+        for step in steps:
+            chain.append(step.apply(chain[-1]))
+        say(f"{len(chain)} replays at once")
+        done = iter(run_many(chain))
+        base = next(done)
+    else:
+        say("baseline replay")
+        base = run(trace)
     reach = reachable_hits(trace, _clock(base))
     unit = prefix_match_unit(trace.engine)
     align = int(base.hit_alignment or unit)
@@ -251,10 +264,13 @@ def explain(trace: Trace, run: Replayer, *,
     replays = [{"change": "baseline (the trace as given)", "summary": base.summary()}]
     current = trace
     last = base
-    for step in counterfactuals(trace):
-        say(f"counterfactual: {step.change}")
-        current = step.apply(current)
-        last = run(current)
+    for step in steps:
+        if run_many is not None:
+            last = next(done)
+        else:
+            say(f"counterfactual: {step.change}")
+            current = step.apply(current)
+            last = run(current)
         now = _cached(last)
         for rid in ids:
             lost[step.cause][rid] += now[rid] - prev[rid]

@@ -25,7 +25,7 @@ from traces.schema import OUTCOME_FIELDS
 
 from .replay import ReplayResult
 from .engines.specs import INSTALLED
-from .runner import replay_on
+from .execution.clients import replay_on
 
 # Store operations compared by key (puts, gets, lookups); their order across a
 # worker's threads and the step a put completes in are not the replay's to pin.

@@ -100,7 +100,7 @@ def said_before_replay(spec: Any, trace: Trace) -> bool:
     """Whether "no goldens" may be said of ``trace`` before any replay: not when the
     engine may refuse it anyway (connector replay on a release no store adapter
     serves, or on a tree whose release is not known yet, refused by
-    :class:`replayer.engine_process.EngineProcess`, which ``check`` reports as SKIP;
+    :class:`replayer.execution.child_process.EngineProcess`, which ``check`` reports as SKIP;
     or a setting the release lacks, see :func:`replayer.engines.check_supported`)."""
     from .engines import UnsupportedByEngine, check_supported, installed_vllm_version
 

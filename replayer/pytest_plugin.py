@@ -19,7 +19,7 @@ One engine process per engine per pytest process (per xdist worker with
 ``-n``), kept for the whole session, so vLLM's start-up (~12 s of imports) is
 paid once, not once per fixture. The installed vLLM also runs in a child of
 its own, whose interpreter hash seed is pinned as the CLI pins its own
-(:mod:`replayer.determinism`): pytest's seed is random, and vLLM frees blocks
+(:mod:`replayer.execution.determinism`): pytest's seed is random, and vLLM frees blocks
 from sets whose order depends on it.
 
 Markers an item gets from its target: ``real_master`` when it replays a
@@ -38,7 +38,7 @@ import pytest
 
 SLOW_REQUESTS = 200
 _SCENARIO = re.compile(r"^requests\s*:", re.MULTILINE)
-_POOL = pytest.StashKey[Any]()             # the session's replayer.engine_pool.EnginePool
+_POOL = pytest.StashKey[Any]()             # the session's replayer.execution.pool.EnginePool
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -72,7 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"--replayer-engine: {exc}") from None
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
-    from .engine_pool import EnginePool
+    from .execution.pool import EnginePool
 
     config.stash[_POOL] = EnginePool(parsed, store)
 
@@ -147,7 +147,7 @@ class _Target:
     def _items(self) -> Iterator["GoldenItem"]:
         from traces import TraceError, load_target
 
-        from .engine_pool import connector
+        from .execution.pool import connector
 
         try:
             trace, error = load_target(self.path), None

@@ -1,7 +1,7 @@
 """The replay loop: feeds a trace's arrivals and events to an engine, step by step.
 
 :func:`replay` is a pure loop over an engine it is handed: it never builds,
-chooses or closes one (:mod:`replayer.runner` does), and it knows nothing of
+chooses or closes one (:mod:`replayer.execution` does), and it knows nothing of
 which vLLM runs. When things happen is :class:`replayer.schedule.Schedule`'s
 business (the step-clock rules); the clock is the number of engine steps run
 so far, and when the engine has nothing to do it jumps to the next point
@@ -22,7 +22,7 @@ from traces.materialize import TokenSource, request_rows
 from traces.outcome import RequestOutcome
 
 from .engines.base import EngineAdapter, EngineInfo, EngineRequest
-from .gc_tuning import fewer_gc_passes
+from .execution.gc_tuning import fewer_gc_passes
 from .schedule import Event, Schedule
 
 # A step in which nothing could be scheduled, this many times running, means the

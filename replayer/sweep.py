@@ -71,16 +71,17 @@ def run_point(target: str, sets: list[str], engine_spec: str = "installed",
     from traces import load_target
     from traces.what_if import with_sets
 
-    from .cli import _quiet_vllm
+    from .execution.environment import quiet_vllm
 
-    _quiet_vllm(os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1")   # a worker, as the CLI
+    quiet_vllm(os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1")   # a worker, as the CLI
     from .explain import explain
-    from .runner import engine_runner
+    from .execution.clients import engine_runner
 
     start = time.perf_counter()
     trace = with_sets(load_target(target), [*base, *sets])
     with engine_runner(engine_spec) as run:
-        ex = explain(trace, run=lambda t: run(t))
+        many = run.replay_many if getattr(run, "parallel", False) else None
+        ex = explain(trace, run=lambda t: run(t), run_many=many)
     s = ex.summary()
     row: dict[str, Any] = {k.partition("=")[0]: k.partition("=")[2] for k in sets}
     row.update(requests=s["requests"], prompt_tokens=s["prompt_tokens"],
@@ -92,7 +93,7 @@ def run_point(target: str, sets: list[str], engine_spec: str = "installed",
 
 
 def _pinned_env() -> dict[str, str]:
-    from .determinism import INTERPRETER_SEED
+    from .execution.determinism import INTERPRETER_SEED
 
     return {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", INTERPRETER_SEED)}
 

@@ -93,7 +93,7 @@ def replay(target: Any, engine: str = "installed", store: Any = None) -> ReplayO
     tree) and return its outcomes; engine processes are kept until exit."""
     global _POOL
     if _POOL is None:
-        from .engine_pool import EnginePool
+        from .execution.pool import EnginePool
         from .store import parse_store_spec
 
         _POOL = EnginePool({}, parse_store_spec("memory"))

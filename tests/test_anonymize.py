@@ -34,7 +34,7 @@ requests:
 
 
 def _hits(trace) -> dict[str, int]:
-    from replayer.runner import replay_on
+    from replayer.execution.clients import replay_on
 
     return {r.id: r.num_cached_tokens for r in replay_on(trace).requests}
 

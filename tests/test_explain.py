@@ -13,7 +13,7 @@ from helpers_traces import assert_bad_input
 from traces import load_target
 from replayer.explain import CAUSES
 from replayer.explain import explain as explain_with
-from replayer.runner import engine_runner
+from replayer.execution.clients import engine_runner
 
 
 def explain(trace):

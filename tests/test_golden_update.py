@@ -211,12 +211,13 @@ def fake_engine_runner(result_for):
 
 
 def test_cli_update_error_exits_2_in_one_line(tmp_path, monkeypatch, capsys):
-    from replayer import cli, runner
+    from replayer import cli
+    from replayer.execution import clients as runner
 
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_LOGGING_LEVEL", "TORCH_LOGS",
                  "GLOG_minloglevel", "MC_LOG_LEVEL", "MC_YLT_LOG_LEVEL"):
         monkeypatch.setenv(name, os.environ.get(name, "0"))     # restored after the test
-    monkeypatch.setattr(runner, "engine_runner", lambda spec: fake_engine_runner(
+    monkeypatch.setattr(runner, "engine_runner", lambda spec, **kw: fake_engine_runner(
         lambda trace: fake_result(trace, store_rows=[put("a", None)])))
     path = scenario(tmp_path, STORE_SCENARIO, engine=STORE_ENGINE)
     before = path.read_bytes()

@@ -12,7 +12,7 @@ from conftest import FIXTURES, SCENARIOS, cli
 from helpers_traces import assert_bad_input
 from replayer.engines import UnsupportedByEngine, check_supported
 from replayer.recorder.header import _draft_group
-from replayer.runner import replay_on as replay
+from replayer.execution.clients import replay_on as replay
 from traces import load_target
 from traces.engine_spec import EngineBlock
 from traces.errors import TraceError
@@ -138,7 +138,7 @@ def test_mamba_cache_mode_all_is_refused_where_vllm_removed_it():
 @pytest.mark.slow
 def test_mamba_cache_mode_all_keeps_every_block_state_on_0310(tmp_path):
     """'all' hits a mid-document prefix that 'align' cannot (one replay each on 0.31.0)."""
-    from replayer.runner import engine_runner
+    from replayer.execution.clients import engine_runner
 
     align = variant(tmp_path, MAMBA_ALL, "mamba_cache_mode: all", "mamba_cache_mode: align")
     with engine_runner("vllm==0.31.0") as run:

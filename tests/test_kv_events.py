@@ -18,7 +18,7 @@ import pytest
 from conftest import SCENARIOS, cli
 from replayer import fidelity
 from replayer.golden_check import check
-from replayer.runner import replay_on
+from replayer.execution.clients import replay_on
 from traces import load_target
 from traces.errors import TraceError
 from traces.event_goldens import EVENTS, compare_events, compress, from_rows

@@ -67,7 +67,7 @@ def test_kill_9_mid_recording_keeps_running_requests_and_replays(tmp_path):
     assert running, "the kill left no request running"
     assert any("still running when the recording ended" in note for note in trace.notes)
 
-    from replayer.runner import replay_on
+    from replayer.execution.clients import replay_on
 
     replayed = {r.id: r.as_dict() for r in replay_on(trace).requests}
     assert set(replayed) == set(trace.requests["id"].to_pylist())

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from conftest import FIXTURES, MOONCAKE_TRACE as CONVERSATION, SCENARIOS, TRACES, cli
-from replayer.runner import replay_on as replay
+from replayer.execution.clients import replay_on as replay
 from traces import load_target
 from traces.scenario import compile_scenario
 from traces.trace import read_trace, write_trace

@@ -148,7 +148,7 @@ def test_streamed_replay_is_the_same_bytes(tmp_path, monkeypatch):
     the streamed replay writes the whole replay's --json bytes."""
     from replayer.replay import replay
     from replayer.report import JsonStream, dumps
-    from replayer.runner import engine_here
+    from replayer.execution.in_process import engine_here
 
     _small_batches(monkeypatch, 5)
     path = _scenario(tmp_path)

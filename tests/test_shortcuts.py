@@ -10,7 +10,7 @@ import pytest
 from conftest import MOONCAKE_TRACE, SCENARIOS, STORE_SCENARIOS, TRACES
 from replayer.replay import replay
 from replayer.report import dumps
-from replayer.runner import engine_here
+from replayer.execution.in_process import engine_here
 from traces import load_target
 
 FIXTURES = sorted([*SCENARIOS.glob("*.yaml"), *STORE_SCENARIOS.glob("*.yaml"),

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conftest import SCENARIOS
-from replayer.runner import replay_on as replay
+from replayer.execution.clients import replay_on as replay
 from traces import load_target
 from traces.engine_spec import EngineBlock
 from traces.errors import TraceError

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import STORE_SCENARIOS, cli
 from replayer.golden_check import observed
-from replayer.runner import replay_on as replay
+from replayer.execution.clients import replay_on as replay
 from replayer.store import StoreSpec
 from replayer.store.master import MasterProcess
 from traces import load_target

@@ -11,7 +11,7 @@ import pytest
 from conftest import SCENARIOS, STORE_SCENARIOS, TRACES
 from replayer.replay import replay
 from replayer.report import JsonStream, dumps
-from replayer.runner import engine_here
+from replayer.execution.in_process import engine_here
 from traces import load_target
 
 TARGETS = [TRACES / "conversation_500", SCENARIOS / "reset_prefix_cache.yaml",

@@ -4,7 +4,7 @@ Each adapter module serves one release range and holds every difference of
 that range; nothing outside ``replayer.engines`` names a vLLM class. Which
 vLLM runs is an engine spec (:mod:`.specs`): the installed one runs in this
 process; a release or a source tree runs in a child process whose
-``sys.path`` puts its sources first (:mod:`replayer.engine_process`).
+``sys.path`` puts its sources first (:mod:`replayer.execution.child_process`).
 """
 
 from __future__ import annotations
@@ -123,15 +123,15 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
                 record_dir: str | None = None, kv_events: bool = False) -> EngineAdapter:
     """Build the adapter for ``spec`` over a sized engine block, in this process.
 
-    Called only by :mod:`replayer.runner`, which decides where an engine runs:
+    Called only by :mod:`replayer.execution.in_process`, which decides where an engine runs:
     ``spec`` is the installed vLLM or the sources this process imports (a
-    child started by :mod:`replayer.engine_process`). ``store`` is a
+    child started by :mod:`replayer.execution.child_process`). ``store`` is a
     :class:`replayer.store.StoreSpec` for traces with a connector; ``record_dir``
     records the replay there (:mod:`replayer.recorder`); ``kv_events`` turns vLLM's
     KV-cache events on and collects them (adapters with ``supports_kv_events``)."""
     if not spec.runs_here():
         raise EngineError(f"engine {spec.info.label} runs in a process of its own: replay it "
-                          "through replayer.runner.engine_runner or the command line")
+                          "through replayer.execution.clients.engine_runner or the command line")
     info = spec.info
     version = info.vllm
     check_supported(version, engine, info.label)

@@ -1,7 +1,7 @@
 """Engine specs: which vLLM a replay runs on, as named on the command line.
 
 Three forms, accepted wherever an engine is chosen (``run``, ``check``,
-``diff``, ``bisect``, and :func:`replayer.runner.engine_runner`):
+``diff``, ``bisect``, and :func:`replayer.execution.clients.engine_runner`):
 
 * ``installed`` (the default): the vLLM of this environment, in this process;
 * ``vllm==X.Y.Z``: a released version, its Python sources fetched once into

@@ -10,7 +10,7 @@ in the hybrid geometry (1-2% of the loop). With the first threshold at
 20,000 they are 1-2 passes and 0.01-0.05 s, peak RSS unchanged.
 
 The same holds while vLLM is imported and its engine built
-(:func:`replayer.runner.engine_here`): the import allocates millions of
+(:func:`replayer.execution.in_process.engine_here`): the import allocates millions of
 objects that all survive, and with Python's thresholds ~2,000 passes, 11 of
 them over the whole growing heap, took ~2.4 s of the ~11 s start-up. With the
 young threshold raised they are ~150 passes, and with full passes only after

@@ -3,18 +3,18 @@
 Only a fresh interpreter can import another vLLM in place of the installed
 one: Python keeps every imported module, and vLLM imports itself widely. So
 an engine that is not the installed vLLM gets one child process
-(``python -m replayer.engine_child``) whose ``sys.path`` starts with a small
+(``python -m replayer.execution.child_main``) whose ``sys.path`` starts with a small
 overlay directory: ``vllm`` (a link to the release's or tree's package) and a
 ``vllm-<version>.dist-info`` so that ``importlib.metadata`` agrees with it.
 Everything else (torch, the compiled kernels vLLM never needs here, this
 package) comes from the installed environment. One child serves every replay
 of its :class:`EngineProcess`, builds each engine with the same
-:func:`replayer.runner.replay_here` as an in-process replay, and sends back the
-same :class:`~replayer.replay.ReplayResult`. Only :mod:`replayer.runner`
+:func:`replayer.execution.in_process.replay_here` as an in-process replay, and sends back the
+same :class:`~replayer.replay.ReplayResult`. Only :mod:`replayer.execution.clients`
 starts one.
 
 The child's interpreter hash seed is pinned as the CLI pins its own
-(:mod:`replayer.determinism`), so its output is byte-identical across runs.
+(:mod:`.determinism`), so its output is byte-identical across runs.
 
 Wire: the parent writes pickled frames (the engine, then one job per replay)
 to the child's stdin; the child answers on a pipe of its own with progress,
@@ -25,53 +25,49 @@ nothing vLLM prints can reach the channel or the parent's ``--json -``.
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, Callable, Sequence
 
 from traces import Trace
 
+from ..engines import EngineError, check_supported
+from ..engines.specs import ResolvedEngine
 from .determinism import INTERPRETER_SEED
-from .engines import EngineError, UnsupportedByEngine, check_supported
-from .engines.specs import ResolvedEngine
-from .replay import ReplayError
+from .wire import AnswerLost, Job, read_answer, send
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-_HEADER = struct.Struct("<Q")
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@dataclass(frozen=True)
-class Job:
-    """One replay the child runs (keyword arguments of runner.replay_here)."""
-
-    trace: Trace
-    store: Any = None
-    record_dir: str | None = None
-    shortcuts: bool = True
-
-
-def send(stream: BinaryIO, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_HEADER.pack(len(data)) + data)
-    stream.flush()
+def write_overlay(engine: ResolvedEngine, overlay: Path) -> None:
+    """``overlay`` made the first entry of an engine's ``sys.path``: its ``vllm``
+    and a matching dist-info (nothing for the installed vLLM)."""
+    if engine.sources is None:
+        return
+    (overlay / "vllm").symlink_to(engine.sources, target_is_directory=True)
+    dist = overlay / f"vllm-{engine.info.vllm}.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {engine.info.vllm}\n")
 
 
-def recv(stream: BinaryIO) -> Any:
-    """The next frame, or None at end of stream."""
-    head = stream.read(_HEADER.size)
-    if len(head) < _HEADER.size:
-        return None
-    size = _HEADER.unpack(head)[0]
-    data = stream.read(size)
-    if len(data) < size:
-        return None
-    return pickle.loads(data)
+def engine_env(engine: ResolvedEngine, overlay: Path,
+               env_defaults: dict[str, str] | None = None,
+               base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process that imports ``engine``: this one's over
+    ``env_defaults``, the interpreter hash seed pinned, the overlay and this
+    checkout first on ``PYTHONPATH``. ``base``: the environment to start from
+    (this process's by default)."""
+    env = {**(env_defaults or {}), **(os.environ if base is None else base)}
+    env["PYTHONHASHSEED"] = INTERPRETER_SEED
+    paths = [str(overlay), str(REPO_ROOT)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
 
 
 def _stderr_fd() -> int:
@@ -82,7 +78,11 @@ def _stderr_fd() -> int:
 
 
 class EngineProcess:
-    """One child process that replays traces on a release or a source tree."""
+    """One child process that replays traces on a release or a source tree
+    (an :class:`~.clients.EngineClient`)."""
+
+    in_process = False
+    parallel = False
 
     def __init__(self, engine: ResolvedEngine, *, installed_too: bool = False,
                  env_defaults: dict[str, str] | None = None) -> None:
@@ -98,32 +98,18 @@ class EngineProcess:
         self._overlay = Path(tempfile.mkdtemp(prefix="replayer-engine-"))
         self._proc: subprocess.Popen | None = None
         try:
-            self._write_overlay()
+            write_overlay(self.engine, self._overlay)
             self._start()
         except BaseException:
             self.close()
             raise
 
-    def _write_overlay(self) -> None:
-        if self.engine.sources is None:             # the installed vLLM: nothing to overlay
-            return
-        (self._overlay / "vllm").symlink_to(self.engine.sources, target_is_directory=True)
-        dist = self._overlay / f"vllm-{self.info.vllm}.dist-info"
-        dist.mkdir()
-        (dist / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: vllm\nVersion: {self.info.vllm}\n")
-
     def _start(self) -> None:
-        env = {**self._env_defaults, **os.environ}
-        env["PYTHONHASHSEED"] = INTERPRETER_SEED
-        paths = [str(self._overlay), str(REPO_ROOT)]
-        if env.get("PYTHONPATH"):
-            paths.append(env["PYTHONPATH"])
-        env["PYTHONPATH"] = os.pathsep.join(paths)
+        env = engine_env(self.engine, self._overlay, self._env_defaults)
         read_fd, write_fd = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "replayer.engine_child", str(write_fd)],
+                [sys.executable, "-m", "replayer.execution.child_main", str(write_fd)],
                 stdin=subprocess.PIPE, stdout=_stderr_fd(), env=env,
                 pass_fds=(write_fd,))
         finally:
@@ -143,22 +129,18 @@ class EngineProcess:
                                        else str(record_dir), shortcuts))
         except BrokenPipeError:
             pass                                    # reported below, with the exit code
-        while True:
-            frame = recv(self._answers)
-            if frame is None:
-                code = self._proc.wait()
-                raise EngineError(f"{self.info.label}: the engine process exited with code "
-                                  f"{code} before answering (--verbose shows vLLM's output)")
-            kind = frame[0]
-            if kind == "progress":
-                if progress is not None:
-                    progress(frame[1])
-            elif kind == "result":
-                return frame[1]
-            elif kind == "error":
-                raise _error_class(frame[1])(frame[2])
-            else:                                   # "crash": a bug, shown in full
-                raise RuntimeError(f"{self.info.label}: the engine process failed:\n{frame[1]}")
+        try:
+            return read_answer(self._answers, progress, self.info.label)
+        except AnswerLost:
+            code = self._proc.wait()
+            raise EngineError(f"{self.info.label}: the engine process exited with code "
+                              f"{code} before answering (--verbose shows vLLM's output)") from None
+
+    __call__ = replay
+
+    def replay_many(self, traces: Sequence[Trace], store: Any = None) -> list[Any]:
+        """One after the other: the child replays one trace at a time."""
+        return [self.replay(t, store=store) for t in traces]
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
@@ -179,8 +161,3 @@ class EngineProcess:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-def _error_class(name: str) -> type[Exception]:
-    """The parent's class for an error the child reported; the message says the rest."""
-    return {"UnsupportedByEngine": UnsupportedByEngine,
-            "ReplayError": ReplayError}.get(name, EngineError)

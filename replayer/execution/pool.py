@@ -1,10 +1,12 @@
-"""Engine processes kept for many replays: one per engine spec, started on first use.
+"""Engine clients kept for many replays: one per engine spec, opened on first use.
 
 The pytest plugin keeps one pool per pytest process (per xdist worker), and
 :func:`replayer.testing.replay` one per interpreter, so vLLM's start-up (~12 s
-of imports) is paid once per engine, not once per replay. Every engine, the
-installed vLLM included, runs in a child whose interpreter hash seed is pinned
-(:mod:`replayer.determinism`), so results match the CLI's byte for byte.
+of imports) is paid once per engine, not once per replay, and not at all
+while the warm server runs. Every engine, the installed vLLM included, runs
+outside this process (a child, or a fork of the warm server) under the pinned
+interpreter hash seed (:mod:`.determinism`), so results match the CLI's byte
+for byte.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
+from .environment import engine_env_defaults
+
 
 class EnginePool:
-    """Engine processes by spec (text), started on first use; ``specs`` holds the
+    """Engine clients by spec (text), opened on first use; ``specs`` holds the
     parsed specs known so far (the plugin's ``--replayer-engine`` list first)."""
 
     def __init__(self, specs: dict[str, Any], store: Any) -> None:
@@ -23,12 +27,11 @@ class EnginePool:
         self.store = store
         self._runs: dict[str, Any] = {}
         self._stack = ExitStack()
-        self.started = 0                            # engine processes started (tests read it)
+        self.started = 0                            # engine clients opened (tests read it)
 
     def replay(self, spec: str, trace: Any, store: Any = None) -> Any:
-        from .cli import OFFLINE_ENV, QUIET_ENV
-        from .engines.specs import parse_spec
-        from .runner import engine_runner
+        from ..engines.specs import parse_spec
+        from .clients import engine_runner
 
         store = self.store if store is None else store
         if spec not in self.specs:                  # replayer.testing may name any engine
@@ -36,10 +39,10 @@ class EnginePool:
         run = self._runs.get(spec)
         if run is None:
             run = self._runs[spec] = self._stack.enter_context(engine_runner(
-                self.specs[spec], own_process=True, env_defaults={**OFFLINE_ENV, **QUIET_ENV}))
+                self.specs[spec], own_process=True, env_defaults=engine_env_defaults()))
             self.started += 1
         if store.host is not None and connector(trace):
-            from .store.master import wait_reachable
+            from ..store.master import wait_reachable
 
             wait_reachable(store.host, store.port)
         return run(trace, store=store)
