@@ -36,7 +36,7 @@ class ServerUnavailable(Exception):
     """No warm replay could be had; the message says why."""
 
 
-def request(op: str, timeout: float = 10.0, **fields: Any) -> Any:
+def request(op: str, timeout: float = 10.0, say_notes: bool = True, **fields: Any) -> Any:
     """One request to the server and its first answer (ping, status, stop, warm)."""
     from .server import PROTOCOL
 
@@ -48,9 +48,10 @@ def request(op: str, timeout: float = 10.0, **fields: Any) -> Any:
             frame = recv(stream)
             if frame is None:
                 raise ServerUnavailable("the server closed the connection")
-            if frame[0] != "note":
+            if frame[0] not in ("note", "wait"):
                 return frame
-            print(f"replayer: {frame[1]}", file=sys.stderr, flush=True)
+            if frame[0] == "note" and say_notes:
+                print(f"replayer: {frame[1]}", file=sys.stderr, flush=True)
             sock.settimeout(START_S)
     except socket.timeout:
         raise ServerUnavailable(f"no answer within {timeout:g} s") from None
@@ -95,8 +96,8 @@ class WarmClient:
         self.cold_replays = 0
 
     def __call__(self, trace: Any, progress: Callable[[Any], None] | None = None,
-                 store: Any = None, record_dir: str | None = None, shortcuts: bool = True,
-                 **_ignored: Any) -> Any:
+                 store: Any = None, record_dir: str | None = None,
+                 shortcuts: bool = True) -> Any:
         check_supported(self.info.vllm, trace.engine, self.info.label)
         job = Job(trace, store, None if record_dir is None else str(record_dir), shortcuts)
         if self._cold is None:
@@ -148,8 +149,10 @@ class WarmClient:
                     frame = recv(stream)
                     if frame is None:
                         raise ServerUnavailable("the server closed the connection")
-                    if frame[0] == "note":
+                    if frame[0] == "note":          # a stale engine restarted, say
                         print(f"replayer: {frame[1]}", file=sys.stderr, flush=True)
+                        sock.settimeout(START_S)
+                    elif frame[0] == "wait":        # an engine starting: minutes at most
                         sock.settimeout(START_S)
                     elif frame[0] == "refused":
                         raise ServerUnavailable(frame[1])

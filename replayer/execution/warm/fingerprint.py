@@ -1,11 +1,11 @@
 """What a warm engine was built from, so that a changed one is never used.
 
 A fingerprint names, per part, what an engine parent imported: this
-package's sources (``replayer``, ``traces``), the Python that runs it, and
-the vLLM (the installed distribution's record; a release's immutable
-sources; every Python file of a source tree). Files are compared by path,
-size and modification time, which costs milliseconds, and each part is
-hashed apart so a restart can say what changed. The server compares the
+package's sources (``replayer``, ``traces``, by content), the Python that
+runs it, and the vLLM (the installed distribution's record; a release's
+immutable sources; every Python file of a source tree, by path, size and
+modification time). Each costs milliseconds, and each part is hashed apart
+so a restart can say what changed. The server compares the
 client's fingerprint with the engine parent's and restarts the engine when
 they differ.
 
@@ -51,33 +51,42 @@ def _tree_stat(root: Path, suffixes: tuple[str, ...] = (".py",)) -> str:
 
 
 def _own_sources() -> str:
+    """This package's Python files by content (about 1 MB, milliseconds): a copy
+    of the same checkout elsewhere is the same replayer, byte for byte."""
     here = Path(__file__).resolve().parents[3]          # the directory holding replayer/
-    return hashlib.sha256("".join(_tree_stat(here / p) for p in _PACKAGES).encode()) \
-        .hexdigest()[:16]
+    h = hashlib.sha256()
+    for package in _PACKAGES:
+        root = here / package
+        for p in sorted(root.rglob("*.py")):
+            if "__pycache__" in p.parts:
+                continue
+            h.update(str(p.relative_to(here)).encode() + b"\0")
+            try:
+                h.update(p.read_bytes())
+            except OSError:
+                continue
+    return h.hexdigest()[:16]
 
 
 def _installed_vllm() -> str:
-    """The installed vLLM's version and the stamps of its package and record."""
-    try:
-        from importlib import metadata
-
-        dist = metadata.distribution("vllm")
-        version = dist.version
-        record = [str(f) for f in (dist.files or []) if str(f).endswith("RECORD")]
-        stamp = ""
-        for f in record[:1]:
-            st = os.stat(dist.locate_file(f))
-            stamp = f"{st.st_size}:{st.st_mtime_ns}"
-    except Exception:  # noqa: BLE001 - no vLLM: the engine parent will say so
-        version, stamp = "none", ""
+    """The installed vLLM: where its package is, and the stamps of the
+    dist-info records beside it (a reinstall or upgrade rewrites them)."""
     found = importlib.util.find_spec("vllm")
-    origin = found.origin if found is not None else ""
-    try:
-        st = os.stat(origin) if origin else None
-        origin_stamp = f"{origin}:{st.st_mtime_ns}" if st else ""
-    except OSError:
-        origin_stamp = ""
-    return hashlib.sha256(f"{version}|{stamp}|{origin_stamp}".encode()).hexdigest()[:16]
+    origin = found.origin if found is not None and found.origin else ""
+    parts = [origin]
+    if origin:
+        package = Path(origin).parent
+        for record in sorted(package.parent.glob("vllm-*.dist-info/RECORD")):
+            try:
+                st = record.stat()
+            except OSError:
+                continue
+            parts.append(f"{record}:{st.st_size}:{st.st_mtime_ns}")
+        try:
+            parts.append(str(os.stat(origin).st_mtime_ns))
+        except OSError:
+            pass
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def engine_fingerprint(engine: Any) -> dict[str, str]:

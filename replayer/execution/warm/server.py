@@ -207,8 +207,9 @@ class Server:
                 self._drop(handle)
                 handle = None
             if handle is None:
-                _reply(conn, ("note", f"starting warm engine {engine.info.label} on the server "
-                                      "(imports vLLM once)"))
+                # Not said to the user (the replay takes as long as a cold one,
+                # once); the client waits longer from here.
+                _reply(conn, ("wait", f"starting warm engine {engine.info.label}"))
                 handle, why = self._start_parent(key, engine, request)
                 if handle is None:
                     _reply(conn, ("refused", why))
