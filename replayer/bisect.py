@@ -5,8 +5,10 @@ The engines form a line, oldest first: the releases from ``--good`` to
 published releases, never a registry scan), or the commits of a source tree
 along its first-parent line (``--tree PATH``; each commit is written out with
 ``git archive`` into a directory of its own, so the checkout is never
-touched). Good and bad are replayed first: good's outcome is the reference,
-and bad must differ from it or there is nothing to find. Then a binary search
+touched, and kept in the cache by commit id, so no later bisect exports or
+compiles it again: :func:`~replayer.engines.trees.commit_sources`). Good and
+bad are replayed first: good's outcome is the reference, and bad must differ
+from it or there is nothing to find. Then a binary search
 replays the middle of the open range until the first differing engine sits
 next to the last matching one, so a line of n engines costs about
 ``2 + log2(n)`` replays. "Differs" is :func:`replayer.diff.compare_results`,
@@ -18,8 +20,6 @@ on one side only, lookups whose hit differs; :mod:`replayer.store_diff`).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -136,15 +136,14 @@ class CommitLine:
         if g == b:
             raise EngineError(f"--good and --bad are both commit {g[:12]}")
         self.commits = commits_between(self.tree, g, b)
-        self._tmp = Path(tempfile.mkdtemp(prefix="replayer-bisect-"))
 
     def engine(self, commit: str):
-        """The engine of one commit: its tree exported, named by the commit."""
+        """The engine of one commit: its cached export, named by the commit."""
         from .engines import adapter_module_for
         from .engines.specs import ResolvedEngine
-        from .engines.trees import commit_version, export_commit, package_dir, tree_version
+        from .engines.trees import commit_sources, commit_version, package_dir, tree_version
 
-        root = export_commit(self.tree, commit, self._tmp / commit[:12])
+        root = commit_sources(self.tree, commit)
         package = package_dir(root, f"{self.tree}@{commit[:12]}")
         version = tree_version(package) or commit_version(self.tree, commit)
         if version is None:
@@ -155,7 +154,7 @@ class CommitLine:
         return ResolvedEngine(f"{self.tree}@{commit}", info, str(package))
 
     def close(self) -> None:
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        """Nothing to remove: the exports stay cached for the next bisect."""
 
 
 def header_line(engines: int, what: str) -> str:

@@ -9,6 +9,12 @@ extracted release is never changed again; it appears under its final name
 only when complete, so an interrupted fetch leaves nothing half-written and a
 second fetch of the same release waits for the first (a file lock).
 
+Sources are compiled to bytecode once, when cached (:func:`compile_sources`),
+so no engine start compiles vLLM's ~3,000 modules again (about 10 s, paid by
+every process when imports cannot write ``__pycache__``). A marker named by
+the interpreter's cache tag is written last: a release cached before this, or
+by another Python, or a compile cut short, is compiled (again) on next use.
+
 The cache directory is ``$PREFIX_REPLAYER_CACHE``, else
 ``$XDG_CACHE_HOME/prefix-replayer``, else ``~/.cache/prefix-replayer``; it is
 created on demand, so a clean CI machine starts from nothing.
@@ -16,6 +22,7 @@ created on demand, so a clean CI machine starts from nothing.
 
 from __future__ import annotations
 
+import compileall
 import fcntl
 import os
 import re
@@ -23,9 +30,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Iterator
 
@@ -75,11 +83,59 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _marker(top: Path) -> Path | None:
+    """The file saying ``top`` holds this interpreter's bytecode (None: no bytecode)."""
+    tag = sys.implementation.cache_tag
+    return top / f".compiled-{tag}" if tag else None
+
+
+def is_compiled(top: Path) -> bool:
+    marker = _marker(top)
+    return marker is None or marker.exists()
+
+
+def compile_sources(package: Path | None, top: Path, final: Path | None = None) -> None:
+    """Bytecode for every module under ``package``, then the marker in ``top``.
+
+    ``final``: where ``package`` will be once renamed, so tracebacks name it and
+    not the temporary folder. A file that does not compile is left to the import
+    that needs it (compileall says why on stderr); the marker is written anyway,
+    as it is when there is no package to compile (None).
+    """
+    marker = _marker(top)
+    if marker is None:                      # this Python writes no bytecode at all
+        return
+    if package is not None:
+        # Worker processes are forked: not from a process running threads (deadlocks).
+        workers = 0 if threading.active_count() == 1 else 1
+        with redirect_stdout(sys.stderr):   # its error lines must not mix with results
+            compileall.compile_dir(str(package), quiet=1, workers=workers,
+                                   ddir=None if final is None else str(final))
+    marker.write_text("")
+
+
+def compile_once(top: Path, package: Path | None, lock: Path, what: str) -> None:
+    """Compile a cached tree that has no bytecode yet, under its lock. A cache
+    that cannot be written is used as it is (each process compiles in memory)."""
+    try:
+        with _locked(lock):
+            if is_compiled(top):            # compiled while we waited
+                return
+            print(f"replayer: compiling {what} sources once (bytecode)",
+                  file=sys.stderr, flush=True)
+            compile_sources(package, top)
+    except OSError:
+        pass
+
+
 def release_sources(version: str) -> Path:
     """The ``vllm`` package directory of release ``version``, fetched if needed."""
     root = cache_dir() / "releases"
     final = root / f"vllm-{version}"
     if (final / "vllm" / "__init__.py").exists():
+        if not is_compiled(final):          # cached before sources were compiled
+            compile_once(final, final / "vllm", root / f".vllm-{version}.lock",
+                         f"vllm=={version}")
         return final / "vllm"
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -99,8 +155,10 @@ def _fetch(version: str, root: Path, final: Path) -> Path:
         try:
             say(f"downloading the wheel once with pip (about 330 MB; sources kept in {root})")
             wheel = _download(version, work / "wheel", say)
-            say(f"unpacking its Python sources ({wheel.stat().st_size / 1e6:.0f} MB wheel)")
+            say(f"unpacking its Python sources and compiling them to bytecode "
+                f"({wheel.stat().st_size / 1e6:.0f} MB wheel)")
             _extract_sources(wheel, work / "src")
+            compile_sources(work / "src" / "vllm", work / "src", final / "vllm")
             os.replace(work / "src", final)
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -9,15 +9,24 @@ the tree is not inside a git checkout.
 
 Bisecting over commits needs each commit's tree without touching the user's
 checkout: :func:`export_commit` writes ``git archive`` of one commit into a
-directory of its own.
+directory of its own. :func:`commit_sources` keeps that export in the cache
+(``cache_dir()/commits/<full commit id>``, beside the releases) with its
+package compiled to bytecode, so a commit is exported and compiled once, not
+by every bisect that probes it. As for releases, an export is written under a
+temporary name and renamed when complete, under a file lock per commit: the
+final name never holds half an export, and a commit's content never changes.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import re
+import shutil
 import subprocess
+import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 from .base import EngineError
@@ -89,12 +98,60 @@ def commits_between(repo: Path, good: str, bad: str) -> list[str]:
     return [good, *(out.split() if out else [])]
 
 
-def export_commit(repo: Path, commit: str, dest: Path) -> Path:
-    """Write the tree of ``commit`` into ``dest``; returns where ``repo`` lands in it."""
+def _toplevel(repo: Path) -> tuple[str, Path]:
+    """The checkout holding ``repo``, and where ``repo`` sits inside it."""
     top = _git(repo, "rev-parse", "--show-toplevel")
     if top is None:
         raise EngineError(f"--tree {repo}: not inside a git checkout")
-    rel = repo.resolve().relative_to(Path(top).resolve())
+    return top, repo.resolve().relative_to(Path(top).resolve())
+
+
+def commit_sources(repo: Path, commit: str) -> Path:
+    """Where ``repo`` lands in the cached export of ``commit``, exported if needed."""
+    from .releases import CACHE_ENV, _locked, cache_dir, compile_once, compile_sources, \
+        is_compiled
+
+    _, rel = _toplevel(repo)
+    sha = commit if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit) else \
+        resolve_commit(repo, commit)
+    root = cache_dir() / "commits"
+    final, lock = root / sha, root / f".{sha}.lock"
+    if final.is_dir():
+        if not is_compiled(final):            # exported by another Python
+            compile_once(final, _package_in(final / rel), lock, f"commit {sha[:12]}")
+        return final / rel
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with _locked(lock):
+            if final.is_dir():                # exported while we waited
+                return final / rel
+            print(f"replayer: exporting commit {sha[:12]} once (git archive, bytecode; "
+                  f"kept in {root})", file=sys.stderr, flush=True)
+            work = Path(tempfile.mkdtemp(prefix=f".{sha}.", dir=root))
+            try:
+                package = _package_in(export_commit(repo, sha, work / "tree"))
+                compile_sources(package, work / "tree", None if package is None else
+                                final / package.relative_to(work / "tree"))
+                os.replace(work / "tree", final)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    except OSError as exc:
+        raise EngineError(f"--tree {repo}: cannot use the cache directory {root} "
+                          f"({exc.strerror or exc}); set {CACHE_ENV} to a writable one") from None
+    return final / rel
+
+
+def _package_in(tree: Path) -> Path | None:
+    """What to compile: the vLLM package, not the repository's tests and docs."""
+    try:
+        return package_dir(tree, str(tree))
+    except EngineError:                       # not a vLLM tree: said when it is used
+        return None
+
+
+def export_commit(repo: Path, commit: str, dest: Path) -> Path:
+    """Write the tree of ``commit`` into ``dest``; returns where ``repo`` lands in it."""
+    top, rel = _toplevel(repo)
     proc = subprocess.run(["git", "archive", "--format=tar", commit], cwd=top,
                           capture_output=True)
     if proc.returncode != 0:
