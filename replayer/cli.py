@@ -162,6 +162,8 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine", action="append", metavar="SPEC",
                      help="start: warm this engine now (repeatable; default installed; "
                           "others start on their first replay)")
+    srv.add_argument("--lazy", action="store_true",
+                     help="start: warm no engine now (each starts on its first replay)")
     srv.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
                      help="start: stop by itself after this long unused (default 4 h)")
     srv.add_argument("--replay-timeout", type=float, default=None, metavar="SECONDS",
@@ -750,7 +752,7 @@ def cmd_anonymize(args) -> int:
 def cmd_server(args) -> int:
     from .execution.warm import control
 
-    if args.action != "start" and (args.engine or args.idle_timeout is not None
+    if args.action != "start" and (args.engine or args.idle_timeout is not None or args.lazy
                                    or args.replay_timeout or args.replay_memory):
         return _err(f"server {args.action} takes no options")
     if args.action == "start":
@@ -760,7 +762,10 @@ def cmd_server(args) -> int:
         if idle <= 0 or (args.replay_timeout is not None and args.replay_timeout <= 0) \
                 or (args.replay_memory is not None and args.replay_memory <= 0):
             return _err("--idle-timeout, --replay-timeout and --replay-memory must be positive")
-        lines, code = control.start(args.engine or ["installed"], idle, args.replay_timeout,
+        if args.lazy and args.engine:
+            return _err("server start: --lazy warms no engine; drop --engine")
+        engines = [] if args.lazy else (args.engine or ["installed"])
+        lines, code = control.start(engines, idle, args.replay_timeout,
                                     args.replay_memory)
     elif args.action == "status":
         lines, code = control.status()

@@ -3,7 +3,8 @@
 Every point is independent and deterministic (the same trace and engine give
 the same outcome in any process), so what runs them does not change the
 table: serially, a local process pool (:mod:`concurrent.futures`, spawned
-interpreters under the pinned hash seed), or Ray past one machine
+interpreters under the pinned hash seed; threads when the warm server runs,
+since every replay is then a fork of the server's engine), or Ray past one machine
 (``--ray ADDRESS``; the ``ray`` extra). Workers load the target themselves,
 so a point is a path and a few ``--set`` strings, never a pickled trace.
 """
@@ -65,7 +66,7 @@ def parse_grid(grids: Sequence[str]) -> tuple[list[str], list[list[str]]]:
 
 
 def run_point(target: str, sets: list[str], engine_spec: str = "installed",
-              base: Sequence[str] = ()) -> dict[str, Any]:
+              base: Sequence[str] = (), own_process: bool = False) -> dict[str, Any]:
     """Load ``target``, replay it under ``base`` then ``sets`` (the grid point) with its
     counterfactuals: one table row."""
     from traces import load_target
@@ -79,7 +80,7 @@ def run_point(target: str, sets: list[str], engine_spec: str = "installed",
 
     start = time.perf_counter()
     trace = with_sets(load_target(target), [*base, *sets])
-    with engine_runner(engine_spec) as run:
+    with engine_runner(engine_spec, own_process=own_process) as run:
         many = run.replay_many if getattr(run, "parallel", False) else None
         ex = explain(trace, run=lambda t: run(t), run_many=many)
     s = ex.summary()
@@ -106,6 +107,16 @@ def run_sweep(target: str, points: list[list[str]], *, engine_spec: str = "insta
     base = list(base)
     if executor == "serial":
         return [run_point(target, p, engine_spec, base) for p in points]
+    from .execution.clients import warm_server_running
+
+    if executor == "pool" and warm_server_running():
+        # Every replay is a fork on the server: threads here only wait on sockets.
+        # (own_process: a cold fallback never builds two engines in this process.)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, len(points))) as threads:
+            return list(threads.map(lambda p: run_point(target, p, engine_spec, base, True),
+                                    points))
     if executor == "pool":
         n = max(1, min(len(points), workers or os.cpu_count() or 1))
         # Spawned, not forked: a fresh interpreter per worker under this one's

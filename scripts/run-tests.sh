@@ -13,6 +13,24 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+# In-process replays (replay_on in a test) take the CLI's pinned interpreter hash seed.
+export PYTHONHASHSEED=0
+
+# One warm server for the whole run, in a runtime directory of its own: every
+# CLI call, the plugin and replayer.testing replay on forks of engines imported
+# once (replayer/execution/warm), instead of ~12 s of imports each. Tests that
+# are about a cold start say PREFIX_REPLAYER_NO_SERVER=1 or start their own.
+PREFIX_REPLAYER_RUNTIME_DIR=$(mktemp -d /tmp/replayer-run.XXXXXX)
+export PREFIX_REPLAYER_RUNTIME_DIR
+stop_server() {
+  "$PY" -m replayer server stop >/dev/null 2>&1
+  rm -rf "$PREFIX_REPLAYER_RUNTIME_DIR"
+}
+trap stop_server EXIT
+echo "=== warm server for this run (replayer server start, runtime dir $PREFIX_REPLAYER_RUNTIME_DIR)"
+start=$SECONDS
+"$PY" -m replayer server start || { echo "the warm server did not start"; exit 1; }
+echo "=== warm server ready in $((SECONDS - start)) s"
 
 UNITS="tests/test_traces_*.py tests/test_cli_errors.py tests/test_cli_version.py
        tests/test_engines_specs.py tests/test_recorder_writer.py tests/test_store_memory.py
@@ -77,8 +95,13 @@ for v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"):
 
 real_master() {
   if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null; then
-    echo "(inside a private network namespace: unshare -n, ip link set lo up)"
-    unshare -n sh -c "ip link set lo up && exec '$PY' -m pytest -q -m 'real_master or live_server' tests/ ${ARGS[*]}"
+    # A warm server of the namespace's own: forks of the run's server live outside
+    # it and could not reach a master on its loopback.
+    echo "(inside a private network namespace: unshare -n, ip link set lo up, a server of its own)"
+    unshare -n sh -c "ip link set lo up && export PREFIX_REPLAYER_RUNTIME_DIR=\$(mktemp -d /tmp/replayer-ns.XXXXXX) \
+      && '$PY' -m replayer server start --lazy >/dev/null \
+      && { '$PY' -m pytest -q -m 'real_master or live_server' tests/ ${ARGS[*]}; rc=\$?; \
+           '$PY' -m replayer server stop >/dev/null; rm -rf \"\$PREFIX_REPLAYER_RUNTIME_DIR\"; exit \$rc; }"
   else
     "$PY" -m pytest -q -m "real_master or live_server" tests/ "${ARGS[@]}"
   fi

@@ -91,7 +91,8 @@ def cold_client(engine: ResolvedEngine, *, own_process: bool = False,
     return EngineProcess(engine, installed_too=own_process, env_defaults=env_defaults)
 
 
-def _server_running() -> bool:
+def warm_server_running() -> bool:
+    """Whether a warm server for this environment is there (and not opted out of)."""
     from .warm import paths
 
     return paths.server_wanted() and paths.server_socket().exists()
@@ -100,7 +101,7 @@ def _server_running() -> bool:
 def runs_in_this_process(spec: Spec = INSTALLED) -> bool:
     """Whether :func:`make_client` would replay ``spec`` in this process (so the
     caller may hand it things that cannot cross processes: a streamed trace, a sink)."""
-    return resolve(spec).runs_here() and not _server_running()
+    return resolve(spec).runs_here() and not warm_server_running()
 
 
 def make_client(spec: Spec = INSTALLED, *, own_process: bool = False,
@@ -114,7 +115,7 @@ def make_client(spec: Spec = INSTALLED, *, own_process: bool = False,
     pinned (callers whose own seed is random). ``env_defaults``: the engine
     process's environment where this one's is unset."""
     engine = resolve(spec)
-    if use_server is not False and _server_running():
+    if use_server is not False and warm_server_running():
         from .warm.client import WarmClient
 
         return WarmClient(engine, env_defaults=env_defaults, cold=lambda: cold_client(

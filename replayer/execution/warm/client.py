@@ -154,6 +154,8 @@ class WarmClient:
                         sock.settimeout(START_S)
                     elif frame[0] == "wait":        # an engine starting: minutes at most
                         sock.settimeout(START_S)
+                    elif frame[0] == "queued":      # an engine parent holds it: EOF if it dies
+                        sock.settimeout(None)
                     elif frame[0] == "refused":
                         raise ServerUnavailable(frame[1])
                     elif frame[0] == "ready":

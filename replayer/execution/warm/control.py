@@ -124,7 +124,13 @@ def stop() -> tuple[list[str], int]:
     except ServerUnavailable:
         return ["no server running"], 0
     pid = frame[1]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and paths.server_socket().exists():
+    deadline = time.monotonic() + 60               # its engines finish their replays first
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return [f"server stopped (pid {pid})"], 0
+        except PermissionError:
+            break
         time.sleep(0.1)
-    return [f"server stopped (pid {pid})"], 0
+    return [f"replayer: error: the server (pid {pid}) is still stopping after 60 s"], 1

@@ -248,11 +248,11 @@ class Parent:
                 continue
             why = None
             if child.deadline is not None and now > child.deadline:
-                why = f"killed: past its time limit of {self.limits['timeout_s']:g} s"
+                why = f"was killed: past its time limit of {self.limits['timeout_s']:g} s"
             elif child.memory_limit is not None:
                 own = private_bytes(child.pid)
                 if own is not None and own > child.memory_limit:
-                    why = (f"killed: past its memory limit of {self.limits['memory_mb']} MB "
+                    why = (f"was killed: past its memory limit of {self.limits['memory_mb']} MB "
                            f"({own >> 20} MB of its own)")
             if why:
                 child.killed_for = why
@@ -277,7 +277,7 @@ class Parent:
 def _exit_words(status: int) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        return f"killed by signal {sig} ({signal.Signals(sig).name})"
+        return f"was killed by signal {sig} ({signal.Signals(sig).name})"
     return f"exited with code {os.WEXITSTATUS(status)} before answering"
 
 

@@ -181,6 +181,9 @@ class Server:
     def _hand_over(self, handle: ParentHandle, request: dict[str, Any], conn: socket.socket,
                    err_fd: int) -> None:
         child_request = {"op": "replay", "env": request["env"], "cwd": request["cwd"]}
+        # From here the engine parent holds the connection: the client waits for
+        # its fork as long as the line ahead takes (the parent gone means EOF).
+        _reply(conn, ("queued", handle.proc.pid))
         with handle.send_lock:
             socket.send_fds(handle.ctrl, [encode(child_request)], [conn.fileno(), err_fd])
         handle.last_used = time.monotonic()
@@ -348,11 +351,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     where = paths.private_dir(paths.runtime_dir())
     lock = open(where / "server.lock", "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        log("another server holds the lock: not starting")
-        return 1
+    deadline = time.monotonic() + 30                # a server still stopping lets go soon
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                log("another server holds the lock: not starting")
+                return 1
+            time.sleep(0.1)
     path = paths.server_socket()
     try:
         path.unlink()

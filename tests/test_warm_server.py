@@ -1,0 +1,290 @@
+"""The warm server: byte-identical to cold, side by side, limits, privacy, staleness.
+
+Each test module's server lives in a private runtime directory of its own
+(``PREFIX_REPLAYER_RUNTIME_DIR``), so these tests never touch the suite's
+shared server or a user's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SCENARIOS, STORE_SCENARIOS, TRACES, cli
+
+pytestmark = pytest.mark.slow
+
+TURNS = SCENARIOS / "vllm51295_turn1_24577.yaml"
+RESEND = STORE_SCENARIOS / "resend_after_reset.yaml"
+CONVERSATION = TRACES / "conversation_500"
+
+
+def _runtime_dir() -> Path:
+    # Short: a Unix socket's path is at most 107 bytes.
+    return Path(tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
+
+
+class Server:
+    """A server of the test's own: ``env`` reaches it and its clients."""
+
+    def __init__(self, *options: str) -> None:
+        self.root = _runtime_dir()
+        self.env = {"PREFIX_REPLAYER_RUNTIME_DIR": str(self.root),
+                    "PREFIX_REPLAYER_NO_SERVER": ""}
+        proc = self.cli("server", "start", *options)
+        assert proc.returncode == 0, proc.stderr
+        self.start_output = proc.stdout
+
+    def cli(self, *args: object, env: dict[str, str] | None = None, **kw):
+        return cli(*args, env={**self.env, **(env or {})}, **kw)
+
+    def status(self) -> str:
+        return self.cli("server", "status").stdout
+
+    def stop(self) -> None:
+        self.cli("server", "stop")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.stop()
+
+
+def _json(server_or_none, target: Path, tmp: Path, name: str, seed: str,
+          *extra: str) -> bytes:
+    out = tmp / f"{name}.json"
+    env = {"PYTHONHASHSEED": seed}
+    if server_or_none is None:
+        proc = cli("run", target, "--json", out, *extra,
+                   env={**env, "PREFIX_REPLAYER_NO_SERVER": "1"})
+    else:
+        proc = server_or_none.cli("run", target, "--json", out, *extra, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return out.read_bytes()
+
+
+def test_start_says_where_it_listens_and_status_lists_the_warm_engine(server):
+    assert f"listening on {server.root}" in server.start_output
+    assert "warm: vllm" in server.start_output and "(installed)" in server.start_output
+    status = server.status()
+    assert "idle timeout 4 h" in status
+    assert "warm: vllm" in status and "(installed): pid" in status
+
+
+def test_warm_is_byte_identical_to_cold_whatever_the_shell_seed_and_after_50_replays(
+        server, tmp_path):
+    cold = _json(None, RESEND, tmp_path, "cold", "123")
+    warm = _json(server, RESEND, tmp_path, "warm", "7")
+    assert warm == cold
+    # 50 replays of other fixtures, on two engines, in the same server ...
+    from traces import load_target
+
+    from replayer.engines import UnsupportedByEngine
+    from replayer.execution.clients import make_client
+
+    others = [load_target(p) for p in sorted(SCENARIOS.glob("*.yaml"))]
+    os.environ["PREFIX_REPLAYER_RUNTIME_DIR"] = str(server.root)
+    try:
+        client = make_client("installed", own_process=True)
+        assert type(client).__name__ == "WarmClient"
+        batch = (others * 3)[:45]
+        assert len(client.replay_many(batch)) == 45
+        old = make_client("vllm==0.29.0", own_process=True)
+        done = 0
+        for trace in others:
+            if done == 5:
+                break
+            try:
+                old(trace)
+                done += 1
+            except UnsupportedByEngine:
+                continue
+        assert done == 5
+        assert client.warm_replays == 45 and client.cold_replays == 0
+    finally:
+        del os.environ["PREFIX_REPLAYER_RUNTIME_DIR"]
+    # ... and the same fixture again, from a third seed: still identical.
+    assert _json(server, RESEND, tmp_path, "again", "99") == cold
+    assert "vllm 0.29.0 (release)" in server.status()
+
+
+def test_two_clients_at_once_each_get_their_own_result(server, tmp_path):
+    alone = {t: _json(server, t, tmp_path, t.stem + "_alone", "0") for t in (TURNS, RESEND)}
+    procs = {}
+    for t in (TURNS, RESEND):
+        out = tmp_path / f"{t.stem}_together.json"
+        procs[t] = (out, subprocess.Popen(
+            [sys.executable, "-m", "replayer", "run", str(t), "--json", str(out)],
+            cwd=REPO, env={**os.environ, **server.env}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True))
+    for t, (out, proc) in procs.items():
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()
+        assert out.read_bytes() == alone[t]
+
+
+def test_a_client_killed_mid_replay_leaves_the_server_serving(server, tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "replayer", "run", str(CONVERSATION)],
+                            cwd=REPO, env={**os.environ, **server.env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while "1 running" not in server.status():
+        assert time.monotonic() < deadline, "the replay never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while "0 running" not in server.status():       # the fork ends on its broken pipe
+        assert time.monotonic() < deadline, server.status()
+        time.sleep(0.2)
+    after = server.cli("check", TURNS)
+    assert after.returncode == 0 and after.stdout.startswith("PASS"), after.stderr
+
+
+def test_a_replay_past_its_limits_is_killed_and_reported_and_the_server_goes_on():
+    s = Server("--replay-timeout", "0.5", "--replay-memory", "100000")
+    try:
+        slow = s.cli("run", CONVERSATION)
+        assert slow.returncode == 2
+        assert slow.stderr.strip().endswith(
+            "the warm replay was killed: past its time limit of 0.5 s"), slow.stderr
+        assert "limits per replay: 0.5 s, 100000 MB" in s.status()
+        ok = s.cli("check", TURNS)
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        s.stop()
+    s = Server("--replay-memory", "50")
+    try:
+        big = s.cli("run", CONVERSATION)
+        assert big.returncode == 2
+        assert "the warm replay was killed: past its memory limit of 50 MB" in big.stderr
+        assert "1 replay(s) (1 failed)" in s.status()
+    finally:
+        s.stop()
+
+
+def test_the_socket_is_the_users_own(server):
+    sock = next(server.root.glob("env-*/server.sock"))
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(server.root.stat().st_mode) == 0o700
+    if os.getuid() != 0:
+        return                                      # only root can play another user here
+    pid = os.fork()
+    if pid == 0:                                    # another user: 'nobody'
+        code = 0
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(str(sock))
+                code = 1                            # connected: a failure
+            except PermissionError:
+                code = 0
+        except BaseException:  # noqa: BLE001
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, "another user could connect"
+
+
+def test_a_stale_engine_is_restarted_and_said_in_one_line(server, monkeypatch, capfd):
+    from traces import load_target
+
+    from replayer.execution.clients import make_client
+    from replayer.execution.warm import client as warm_client
+
+    monkeypatch.setenv("PREFIX_REPLAYER_RUNTIME_DIR", str(server.root))
+    real = warm_client.engine_fingerprint
+    monkeypatch.setattr(warm_client, "engine_fingerprint",
+                        lambda engine: {**real(engine), "vllm": "changed"})
+    client = make_client("installed", own_process=True)
+    result = client(load_target(TURNS))
+    assert result.by_id()["turn2"].num_cached_tokens == 24448
+    err = capfd.readouterr().err.splitlines()
+    assert err == ["replayer: warm engine vllm 0.33.0 (installed) is stale (vLLM changed "
+                   "since it started); restarting it"], err
+    monkeypatch.setattr(warm_client, "engine_fingerprint", real)
+    client(load_target(TURNS))                      # and back: restarted once more, said
+    assert "is stale" in capfd.readouterr().err
+
+
+def test_a_server_that_cannot_answer_means_a_cold_replay_with_one_line(tmp_path):
+    root = _runtime_dir()
+    try:
+        env = {"PREFIX_REPLAYER_RUNTIME_DIR": str(root), "PREFIX_REPLAYER_NO_SERVER": ""}
+        os.environ.update(env)
+        try:
+            from replayer.execution.warm import paths
+
+            where = paths.private_dir(paths.runtime_dir())
+            dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            dead.bind(str(where / "server.sock"))   # bound, never listening: refused
+            dead.close()
+        finally:
+            for k in env:
+                del os.environ[k]
+        proc = cli("check", TURNS, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("PASS")
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("replayer: warm server unavailable (")
+        assert lines[0].endswith("); replaying cold")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_no_server_opts_out(server, monkeypatch):
+    from replayer.execution.clients import make_client
+
+    monkeypatch.setenv("PREFIX_REPLAYER_RUNTIME_DIR", str(server.root))
+    assert type(make_client("installed", own_process=True)).__name__ == "WarmClient"
+    monkeypatch.setenv("PREFIX_REPLAYER_NO_SERVER", "1")
+    assert type(make_client("installed", own_process=True)).__name__ == "EngineProcess"
+    assert type(make_client("installed")).__name__ == "InProcessClient"
+
+
+def test_idle_timeout_stops_it_by_itself():
+    s = Server("--lazy", "--idle-timeout", "2")
+    try:
+        assert "warm:" not in s.start_output
+        assert "engines warm: none yet" in s.status()
+        deadline = time.monotonic() + 30
+        while s.cli("server", "status").returncode == 0:
+            assert time.monotonic() < deadline, "still running"
+            time.sleep(0.5)
+        assert "no server running" in s.status()
+    finally:
+        s.stop()
+
+
+def test_explain_in_parallel_on_the_server_equals_the_serial_cold_run(server, tmp_path):
+    cold, warm = tmp_path / "cold.json", tmp_path / "warm.json"
+    c = cli("explain", RESEND, "--json", cold, env={"PREFIX_REPLAYER_NO_SERVER": "1"})
+    w = server.cli("explain", RESEND, "--json", warm)
+    assert c.returncode == 0 and w.returncode == 0, (c.stderr, w.stderr)
+    assert c.stdout == w.stdout
+    assert json.loads(cold.read_text()) == json.loads(warm.read_text())
+    assert cold.read_bytes() == warm.read_bytes()
+
+
+def test_server_options_are_checked():
+    proc = cli("server", "status", "--idle-timeout", "3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "replayer: error: server status takes no options"
+    proc = cli("server", "start", "--idle-timeout", "0")
+    assert proc.returncode == 2 and "must be positive" in proc.stderr
