@@ -16,6 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+# These benchmarks measure a replay in its own process (start-up, peak RSS):
+# never on a warm server that happens to run (benchmarks/warm_start.py measures that).
+os.environ["PREFIX_REPLAYER_NO_SERVER"] = "1"
+
 ENV = "PREFIX_REPLAYER_MOONCAKE_TRACE"
 BESIDE_CHECKOUT = (Path(__file__).resolve().parents[2] / "shared" / "traces"
                    / "mooncake_conversation_trace.jsonl")

@@ -12,12 +12,16 @@ Normalisations, each because the thing truly varies, and nothing else:
 * ``/tmp/`` in a block (commands and output) is a private temporary directory;
 * ``replayer: fetching vllm==X: ...`` lines are dropped: they appear only when
   the release is not in the cache yet;
-* trailing spaces and trailing blank lines are ignored.
+* trailing spaces and trailing blank lines are ignored;
+* in what ``replayer server`` prints, process ids, start-up seconds and the
+  socket's path (:data:`SERVER_VARIES`), on both sides.
 
 A marker comment on the line just above a block's fence says how to run it:
 ``<!-- readme-test: slow -->`` (minutes: marked ``slow``),
 ``<!-- readme-test: setup NAME -->`` (run :data:`SETUPS` ``[NAME]`` in the copy
-first, e.g. to make a patched vLLM tree), both comma-separated, or
+first, e.g. to make a patched vLLM tree), ``<!-- readme-test: own-server -->``
+(the block starts and stops a warm server: it gets a runtime directory of its
+own, never the test run's server), all comma-separated, or
 ``<!-- readme-test: skip REASON -->`` for a block that cannot run in CI (a GPU,
 a model); such blocks are reported as skipped with their reason, and counted.
 """
@@ -29,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -40,6 +45,9 @@ from helpers_traces import REPO
 README = REPO / "README.md"
 MARKER = re.compile(r"<!--\s*readme-test:\s*(.*?)\s*-->")
 FETCH_LINE = re.compile(r"^replayer: fetching vllm==\S+: ")
+SERVER_VARIES = [(re.compile(r"\bpid \d+"), "pid N"),
+                 (re.compile(r"\b(ready|started) in \d+(\.\d+)? s"), r"\1 in N s"),
+                 (re.compile(r"listening on \S+"), "listening on SOCKET")]
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".venv-*", "__pycache__", ".pytest_cache", "*.egg-info")
 
 
@@ -50,6 +58,7 @@ class Block:
     slow: bool = False
     skip: str | None = None
     setups: list[str] = field(default_factory=list)
+    own_server: bool = False
 
     @property
     def id(self) -> str:
@@ -79,6 +88,8 @@ def console_blocks(text: str) -> list[Block]:
             for part in (p.strip() for p in m.group(1).split(",")):
                 if part == "slow":
                     block.slow = True
+                elif part == "own-server":
+                    block.own_server = True
                 elif part.startswith("skip"):
                     block.skip = part[len("skip"):].strip() or "(no reason given)"
                 elif part.startswith("setup "):
@@ -165,6 +176,28 @@ def run_block(block: Block, tmp: Path) -> list[tuple[str, list[str], list[str]]]
         SETUPS[name](root, private)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("_PREFIX_REPLAYER", "PYTEST_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    runtime = None
+    if block.own_server:                            # short: a socket path is 107 bytes at most
+        runtime = tempfile.mkdtemp(prefix="rp-", dir="/tmp")
+        env["PREFIX_REPLAYER_RUNTIME_DIR"] = runtime
+        env.pop("PREFIX_REPLAYER_NO_SERVER", None)
+    try:
+        return _run_commands(block, root, private, env)
+    finally:
+        if runtime is not None:                     # whatever the block did, none is left
+            subprocess.run([sys.executable, "-m", "replayer", "server", "stop"], cwd=root,
+                           env=env, capture_output=True, timeout=120)
+            shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _normalise(line: str) -> str:
+    for pattern, text in SERVER_VARIES:
+        line = pattern.sub(text, line)
+    return line.rstrip()
+
+
+def _run_commands(block: Block, root: Path, private: Path,
+                  env: dict[str, str]) -> list[tuple[str, list[str], list[str]]]:
     rc = 0
     out = []
     for command, expected in block.commands:
@@ -173,8 +206,8 @@ def run_block(block: Block, tmp: Path) -> list[tuple[str, list[str], list[str]]]
                               capture_output=True, text=True, timeout=1800)
         rc = proc.returncode
         text = (proc.stdout + proc.stderr).replace(f"{private}/", "/tmp/")
-        actual = [line.rstrip() for line in text.splitlines() if not FETCH_LINE.match(line)]
-        out.append((command, _trim([line.rstrip() for line in expected]), _trim(actual)))
+        actual = [_normalise(line) for line in text.splitlines() if not FETCH_LINE.match(line)]
+        out.append((command, _trim([_normalise(line) for line in expected]), _trim(actual)))
     return out
 
 

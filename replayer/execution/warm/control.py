@@ -100,10 +100,9 @@ def status() -> tuple[list[str], int]:
     except ServerUnavailable:
         return [f"no server running (socket {paths.server_socket()})"], 1
     s = frame[1]
-    idle_left = max(0.0, s["idle_timeout_s"] - s["idle_s"])
     lines = [f"server pid {s['pid']}, listening on {s['socket']}",
-             f"idle timeout {_duration(s['idle_timeout_s'])} (stops in "
-             f"{_duration(round(idle_left))} unless used); replays served: {s['served']}"]
+             f"idle timeout {_duration(s['idle_timeout_s'])} (it stops by itself after that "
+             f"long unused); replays served: {s['served']}"]
     limits = s["limits"]
     if limits.get("timeout_s") or limits.get("memory_mb"):
         lines.append("limits per replay: " + ", ".join(filter(None, [

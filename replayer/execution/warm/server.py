@@ -107,7 +107,6 @@ class Server:
                 continue
             except OSError:
                 break
-            self.last_activity = time.monotonic()
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
         self._shutdown()
 
@@ -147,6 +146,8 @@ class Server:
                                          "(replayer server stop; replayer server start)"))
                 return
             op = request.get("op")
+            if op in ("replay", "warm"):                # asking for status is not using it
+                self.last_activity = time.monotonic()
             if op == "ping":
                 _reply(conn, ("pong", {"pid": os.getpid(), "protocol": PROTOCOL}))
             elif op == "status":
