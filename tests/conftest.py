@@ -1,12 +1,16 @@
 """What every test module shares: the repository's paths, the CLI in a fresh
-interpreter, and a quiet vLLM. Helper modules (``helpers_traces``,
-``helpers_engines``) build on these."""
+interpreter (or in this one, for commands that never replay), and a quiet vLLM.
+Helper modules (``helpers_traces``, ``helpers_engines``) build on these."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,6 +36,79 @@ def cli(*args: object, env: dict[str, str] | None = None, cwd: Path = REPO,
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "replayer", *map(str, args)], cwd=cwd,
                           env=full, capture_output=True, text=True, timeout=timeout)
+
+
+# Logger state the CLI changes in the process it runs in (replayer.execution.environment).
+_CLI_LOGGERS = ("vllm", "prefix_replayer.recorder")
+# The interpreter's own warning filters (no -W, no PYTHONWARNINGS): what a fresh process shows.
+_FRESH_IGNORED = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
+
+
+def cli_here(*args: object, env: dict[str, str] | None = None,
+             cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``replayer.cli.main(ARGS)`` in this process, read like :func:`cli`'s result:
+    ``returncode``, ``stdout`` and ``stderr`` (text).
+
+    For commands that fail on bad input before any engine runs (bad YAML, options,
+    specs, ``--set``, ``--store``, missing files, outputs that cannot be written), or
+    that never replay (compile, import, info, anonymize, ``--help``, ``--version``):
+    they cost no interpreter start (~0.5 s each). Anything that replays still uses
+    :func:`cli` (which is served by the warm server when one runs), and so does every
+    test about a fresh process (hash seed pinning, the re-exec, importing vLLM), that
+    kills one, limits its resources or relies on its timeout.
+
+    ``main`` given a list never re-executes itself. ``env`` is set in ``os.environ``
+    for the call; the environment (variables the CLI sets itself included), the
+    working directory, the loggers the CLI quiets and its once-per-process notes are
+    as they were afterwards. ``SystemExit`` (argparse: exit 2) is the return code;
+    warnings a fresh interpreter would print go to ``stderr``; any other exception
+    propagates (a fresh process would have printed its traceback). A call that
+    imports vLLM fails: that command replays, and belongs to :func:`cli`.
+    """
+    from replayer import cli as cli_module
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    environ = dict(os.environ)
+    here = os.getcwd()
+    loggers = [(lg, lg.level, list(lg.handlers)) for lg in map(logging.getLogger, _CLI_LOGGERS)]
+    vllm_before = "vllm" in sys.modules
+    cli_module._NOTES_SAID.clear()
+    try:
+        os.environ.update(env or {})
+        os.chdir(cwd)
+        with warnings.catch_warnings(record=True) as caught, \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            warnings.simplefilter("default")
+            for category in _FRESH_IGNORED:
+                warnings.simplefilter("ignore", category)
+            try:
+                code = cli_module.main(argv)
+            except SystemExit as exc:
+                if exc.code is None or isinstance(exc.code, int):
+                    code = exc.code or 0
+                else:
+                    print(exc.code, file=sys.stderr)
+                    code = 1
+            for w in caught:
+                err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno,
+                                                 w.line))
+    finally:
+        os.chdir(here)
+        for name in [k for k in os.environ if k not in environ]:
+            del os.environ[name]
+        for name, value in environ.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value
+        for lg, level, handlers in loggers:
+            lg.setLevel(level)
+            lg.handlers[:] = handlers
+        cli_module._NOTES_SAID.clear()
+    assert vllm_before or "vllm" not in sys.modules, (
+        f"replayer {' '.join(argv)} imported vLLM in the test process: it replays, "
+        "so run it with cli()")
+    return subprocess.CompletedProcess(["replayer", *argv], code, out.getvalue(),
+                                       err.getvalue())
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,8 +1,9 @@
 """Every bad input: exit 2, one ``replayer: error:`` line naming file and fault, no output.
 
-Each case runs the real command line in a fresh interpreter. Trace-reading errors
-go through ``info`` and ``compile`` (neither imports vLLM); one case goes through
-``run`` to show it reports them the same way.
+Each case runs the real command line in this process (``cli_here``): none gets as
+far as a replay. Trace-reading errors go through ``info`` and ``compile`` (neither
+imports vLLM); one case goes through ``run`` to show it reports them the same way,
+before any engine runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers_traces import (SMALL_SCENARIO, assert_bad_input, cli, listing, make_trace_dir,
+from conftest import cli_here
+from helpers_traces import (SMALL_SCENARIO, assert_bad_input, listing, make_trace_dir,
                             replace_column, rewrite_requests, write_jsonl, write_text)
 
 OK_REQ = "  - {id: a, prompt: {stream: s, len: 10}}\n"
@@ -27,7 +29,7 @@ def compile_fails(tmp_path, text: str | bytes, *needles: str, name: str = "bad.y
     else:
         write_text(src, text)
     before = listing(tmp_path)
-    proc = cli("compile", src, "-o", tmp_path / "OUT")
+    proc = cli_here("compile", src, "-o", tmp_path / "OUT")
     line = assert_bad_input(proc, name, *needles)
     assert not (tmp_path / "OUT").exists()
     assert listing(tmp_path) == before, "compile left files behind"
@@ -119,21 +121,21 @@ def test_scenario_control_character(tmp_path):
 
 
 def test_scenario_missing_file(tmp_path):
-    proc = cli("compile", tmp_path / "nope.yaml", "-o", tmp_path / "OUT")
+    proc = cli_here("compile", tmp_path / "nope.yaml", "-o", tmp_path / "OUT")
     assert_bad_input(proc, "nope.yaml", "no such file")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_scenario_is_a_directory(tmp_path):
     (tmp_path / "dir.yaml").mkdir()
-    proc = cli("compile", tmp_path / "dir.yaml", "-o", tmp_path / "OUT")
+    proc = cli_here("compile", tmp_path / "dir.yaml", "-o", tmp_path / "OUT")
     assert_bad_input(proc, "dir.yaml", "cannot read")
     assert not (tmp_path / "OUT").exists()
 
 
 def test_scenario_error_through_info(tmp_path):
     src = write_text(tmp_path / "s.yaml", "requests:\n" + OK_REQ + "extra: 1\n")
-    assert_bad_input(cli("info", src), "s.yaml", "unknown key 'extra' in the scenario")
+    assert_bad_input(cli_here("info", src), "s.yaml", "unknown key 'extra' in the scenario")
 
 
 def test_compile_onto_a_file_refuses(tmp_path):
@@ -141,7 +143,7 @@ def test_compile_onto_a_file_refuses(tmp_path):
     target = tmp_path / "OUT"
     target.write_text("keep me")
     before = listing(tmp_path)
-    assert_bad_input(cli("compile", src, "-o", target), "OUT", "not a trace directory")
+    assert_bad_input(cli_here("compile", src, "-o", target), "OUT", "not a trace directory")
     assert target.read_text() == "keep me"
     assert listing(tmp_path) == before
 
@@ -151,7 +153,7 @@ def test_compile_onto_a_foreign_directory_refuses(tmp_path):
     (tmp_path / "OUT").mkdir()
     (tmp_path / "OUT" / "notes.txt").write_text("keep me")
     before = listing(tmp_path)
-    assert_bad_input(cli("compile", src, "-o", tmp_path / "OUT"), "OUT",
+    assert_bad_input(cli_here("compile", src, "-o", tmp_path / "OUT"), "OUT",
                      "not a trace directory")
     assert listing(tmp_path) == before
 
@@ -160,7 +162,8 @@ def test_failed_compile_keeps_the_previous_trace(tmp_path):
     out = make_trace_dir(tmp_path, "OUT")
     before = {p: (out / p).read_bytes() for p in listing(out) if (out / p).is_file()}
     bad = write_text(tmp_path / "bad.yaml", "requests:\n" + OK_REQ + "bogus: 1\n")
-    assert_bad_input(cli("compile", bad, "-o", out, "--force"), "bad.yaml", "unknown key 'bogus'")
+    assert_bad_input(cli_here("compile", bad, "-o", out, "--force"), "bad.yaml",
+                     "unknown key 'bogus'")
     assert {p: (out / p).read_bytes() for p in listing(out) if (out / p).is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT", "OUT.yaml", "bad.yaml"]
 
@@ -221,19 +224,19 @@ def test_bad_requests_table_through_info(tmp_path, case):
     change, needles = TRACE_CASES[case]
     trace = make_trace_dir(tmp_path)
     rewrite_requests(trace, change)
-    assert_bad_input(cli("info", trace), str(trace), *needles)
+    assert_bad_input(cli_here("info", trace), str(trace), *needles)
 
 
 def test_missing_requests_table(tmp_path):
     trace = make_trace_dir(tmp_path)
     (trace / "requests.parquet").unlink()
-    assert_bad_input(cli("info", trace), str(trace / "requests.parquet"), "missing")
+    assert_bad_input(cli_here("info", trace), str(trace / "requests.parquet"), "missing")
 
 
 def test_unreadable_parquet(tmp_path):
     trace = make_trace_dir(tmp_path)
     (trace / "requests.parquet").write_bytes(b"not parquet at all")
-    assert_bad_input(cli("info", trace), "requests.parquet", "not a readable Parquet file")
+    assert_bad_input(cli_here("info", trace), "requests.parquet", "not a readable Parquet file")
 
 
 def test_unknown_schema_version(tmp_path):
@@ -241,13 +244,14 @@ def test_unknown_schema_version(tmp_path):
     header = json.loads((trace / "header.json").read_text())
     header["schema_version"] = 99
     (trace / "header.json").write_text(json.dumps(header))
-    assert_bad_input(cli("info", trace), str(trace / "header.json"), "unknown schema version 99")
+    assert_bad_input(cli_here("info", trace), str(trace / "header.json"),
+                     "unknown schema version 99")
 
 
 def test_header_invalid_json(tmp_path):
     trace = make_trace_dir(tmp_path)
     (trace / "header.json").write_text('{"schema_version": 1,')
-    assert_bad_input(cli("info", trace), "header.json", "invalid JSON")
+    assert_bad_input(cli_here("info", trace), "header.json", "invalid JSON")
 
 
 def test_header_unknown_engine_key(tmp_path):
@@ -255,16 +259,16 @@ def test_header_unknown_engine_key(tmp_path):
     header = json.loads((trace / "header.json").read_text())
     header["engine"]["gpu_blocks"] = 10
     (trace / "header.json").write_text(json.dumps(header))
-    assert_bad_input(cli("info", trace), "header.json", "unknown engine key 'gpu_blocks'")
+    assert_bad_input(cli_here("info", trace), "header.json", "unknown engine key 'gpu_blocks'")
 
 
 def test_not_a_trace_directory(tmp_path):
     (tmp_path / "empty").mkdir()
-    assert_bad_input(cli("info", tmp_path / "empty"), "empty", "not a trace directory")
+    assert_bad_input(cli_here("info", tmp_path / "empty"), "empty", "not a trace directory")
 
 
 def test_missing_trace_directory(tmp_path):
-    assert_bad_input(cli("info", tmp_path / "gone"), "gone", "no such file or directory")
+    assert_bad_input(cli_here("info", tmp_path / "gone"), "gone", "no such file or directory")
 
 
 def test_golden_for_unknown_request(tmp_path):
@@ -273,15 +277,15 @@ def test_golden_for_unknown_request(tmp_path):
     table = pq.read_table(golden)
     table = replace_column(table, "id", pa.array(["b", "ghost"], pa.string()))
     pq.write_table(table, golden)
-    assert_bad_input(cli("info", trace), "golden", "column 'id', row 1",
+    assert_bad_input(cli_here("info", trace), "golden", "column 'id', row 1",
                      "golden for unknown request 'ghost'")
 
 
 def test_run_reports_a_bad_trace_the_same_way(tmp_path):
     trace = make_trace_dir(tmp_path)
     rewrite_requests(trace, _tokens_row(2, 40000))
-    info_line = assert_bad_input(cli("info", trace))
-    run_line = assert_bad_input(cli("run", trace, "--no-progress"), str(trace),
+    info_line = assert_bad_input(cli_here("info", trace))
+    run_line = assert_bad_input(cli_here("run", trace, "--no-progress"), str(trace),
                                 "column 'prompt_tokens', row 2", "token id 40000")
     assert run_line == info_line
 
@@ -294,7 +298,7 @@ GOOD = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1,
 def import_fails(tmp_path, lines, *needles: str, extra: tuple[str, ...] = ()) -> str:
     src = write_jsonl(tmp_path / "m.jsonl", lines)
     before = listing(tmp_path)
-    proc = cli("import", "mooncake", src, "-o", tmp_path / "OUT", *extra)
+    proc = cli_here("import", "mooncake", src, "-o", tmp_path / "OUT", *extra)
     line = assert_bad_input(proc, "m.jsonl", *needles)
     assert not (tmp_path / "OUT").exists()
     assert listing(tmp_path) == before, "import left files behind"
@@ -346,24 +350,24 @@ def test_mooncake_errors(tmp_path, case):
 def test_mooncake_not_utf8(tmp_path):
     src = tmp_path / "m.jsonl"
     src.write_bytes(json.dumps(GOOD).encode() + b"\n\xff\xfe\n")
-    proc = cli("import", "mooncake", src, "-o", tmp_path / "OUT")
+    proc = cli_here("import", "mooncake", src, "-o", tmp_path / "OUT")
     assert_bad_input(proc, "m.jsonl", "row 1", "not UTF-8 text")
     assert not (tmp_path / "OUT").exists()
 
 
 def test_mooncake_missing_file(tmp_path):
-    proc = cli("import", "mooncake", tmp_path / "none.jsonl", "-o", tmp_path / "OUT")
+    proc = cli_here("import", "mooncake", tmp_path / "none.jsonl", "-o", tmp_path / "OUT")
     assert_bad_input(proc, "none.jsonl", "cannot read")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_mooncake_error_keeps_the_previous_trace(tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", [GOOD])
-    assert cli("import", "mooncake", good, "-o", tmp_path / "OUT").returncode == 0
+    assert cli_here("import", "mooncake", good, "-o", tmp_path / "OUT").returncode == 0
     header = (tmp_path / "OUT" / "header.json").read_text()
     bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, "{"])
-    assert_bad_input(cli("import", "mooncake", bad, "-o", tmp_path / "OUT", "--force"), "bad.jsonl",
-                     "row 1")
+    assert_bad_input(cli_here("import", "mooncake", bad, "-o", tmp_path / "OUT", "--force"),
+                     "bad.jsonl", "row 1")
     assert (tmp_path / "OUT" / "header.json").read_text() == header
     assert sorted(p.name for p in tmp_path.iterdir()) == ["OUT", "bad.jsonl", "good.jsonl"]
 
@@ -385,7 +389,7 @@ def test_import_engine_file_errors(tmp_path, case):
     write_text(tmp_path / "eng.yaml", text)
     src = write_jsonl(tmp_path / "m.jsonl", [GOOD])
     before = listing(tmp_path)
-    proc = cli("import", "mooncake", src, "-o", tmp_path / "OUT", "--engine",
+    proc = cli_here("import", "mooncake", src, "-o", tmp_path / "OUT", "--engine",
                tmp_path / "eng.yaml")
     assert_bad_input(proc, "eng.yaml", *needles)
     assert listing(tmp_path) == before
@@ -393,7 +397,7 @@ def test_import_engine_file_errors(tmp_path, case):
 
 def test_import_engine_file_missing(tmp_path):
     src = write_jsonl(tmp_path / "m.jsonl", [GOOD])
-    proc = cli("import", "mooncake", src, "-o", tmp_path / "OUT", "--engine",
+    proc = cli_here("import", "mooncake", src, "-o", tmp_path / "OUT", "--engine",
                tmp_path / "none.yaml")
     assert_bad_input(proc, "none.yaml", "no such file")
     assert not (tmp_path / "OUT").exists()
@@ -403,6 +407,6 @@ def test_import_engine_file_missing(tmp_path):
                                                  ("--step-ms", "0", "--step-ms must be at least 1")])
 def test_import_bad_option(tmp_path, flag, value, needle):
     src = write_jsonl(tmp_path / "m.jsonl", [GOOD])
-    proc = cli("import", "mooncake", src, "-o", tmp_path / "OUT", flag, value)
+    proc = cli_here("import", "mooncake", src, "-o", tmp_path / "OUT", flag, value)
     assert_bad_input(proc, needle)
     assert not (tmp_path / "OUT").exists()

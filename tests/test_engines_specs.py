@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SCENARIOS, cli
+from conftest import SCENARIOS, cli_here
 from helpers_engines import git, init_repo
 from helpers_traces import assert_bad_input
 from replayer.engines import EngineError, EngineInfo
@@ -44,58 +44,58 @@ def test_release_without_patch_number(command):
     args = [command, FIXTURE, "--engine", "vllm==0.29"]
     if command == "diff":
         args += ["--engine", "installed"]
-    assert_bad_input(cli(*args), "engine 'vllm==0.29'", "vllm==X.Y.Z")
+    assert_bad_input(cli_here(*args), "engine 'vllm==0.29'", "vllm==X.Y.Z")
 
 
 def test_release_with_another_operator():
-    assert_bad_input(cli("run", FIXTURE, "--engine", "vllm>=0.29.0"), "vllm==X.Y.Z")
+    assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm>=0.29.0"), "vllm==X.Y.Z")
 
 
 def test_release_outside_every_range_names_the_ranges():
-    line = assert_bad_input(cli("run", FIXTURE, "--engine", "vllm==0.28.0"),
+    line = assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm==0.28.0"),
                             "engine 'vllm==0.28.0'", "no adapter for vLLM 0.28.0")
     assert line.endswith("(supported release ranges: 0.29.x-0.32.x, 0.33.x)")
 
 
 def test_unknown_word_is_neither_spec_nor_path():
-    assert_bad_input(cli("run", FIXTURE, "--engine", "nightly"), "engine 'nightly'",
+    assert_bad_input(cli_here("run", FIXTURE, "--engine", "nightly"), "engine 'nightly'",
                      "not 'installed', vllm==X.Y.Z or the path of a vLLM source tree")
 
 
 def test_directory_that_is_not_a_vllm_tree(tmp_path):
     (tmp_path / "vllm").mkdir()
-    assert_bad_input(cli("run", FIXTURE, "--engine", tmp_path), "not a vLLM source tree",
+    assert_bad_input(cli_here("run", FIXTURE, "--engine", tmp_path), "not a vLLM source tree",
                      "v1/engine/core.py")
 
 
 def test_tree_whose_release_cannot_be_told(tmp_path):
     tree = fake_tree(tmp_path / "t", version=None)
-    assert_bad_input(cli("check", FIXTURE, "--engine", tree),
+    assert_bad_input(cli_here("check", FIXTURE, "--engine", tree),
                      "cannot tell which vLLM release this tree is")
 
 
 def test_tree_of_an_unsupported_release(tmp_path):
     tree = fake_tree(tmp_path / "t", version="0.20.1")
-    assert_bad_input(cli("run", FIXTURE, "--engine", tree / "vllm"),
+    assert_bad_input(cli_here("run", FIXTURE, "--engine", tree / "vllm"),
                      "no adapter for vLLM 0.20.1", "0.29.x-0.32.x, 0.33.x")
 
 
 def test_release_with_an_unusable_cache(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    assert_bad_input(cli("run", FIXTURE, "--engine", "vllm==0.29.0",
-                         env={"PREFIX_REPLAYER_CACHE": str(blocker)}),
+    assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm==0.29.0",
+                              env={"PREFIX_REPLAYER_CACHE": str(blocker)}),
                      f"cannot use the cache directory {blocker}/releases",
                      "set PREFIX_REPLAYER_CACHE to a writable one")
 
 
 def test_diff_needs_exactly_two_engines():
-    assert_bad_input(cli("diff", FIXTURE, "--engine", "installed"),
+    assert_bad_input(cli_here("diff", FIXTURE, "--engine", "installed"),
                      "diff takes exactly two --engine options (A, then B), got 1")
 
 
 def test_bisect_over_releases_needs_releases():
-    assert_bad_input(cli("bisect", FIXTURE, "--good", "installed", "--bad", "vllm==0.29.0"),
+    assert_bad_input(cli_here("bisect", FIXTURE, "--good", "installed", "--bad", "vllm==0.29.0"),
                      "bisect over releases takes --good and --bad as vllm==X.Y.Z")
 
 
@@ -104,7 +104,8 @@ def test_bisect_unknown_commit(tmp_path):
     init_repo(repo)
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "one")
-    assert_bad_input(cli("bisect", FIXTURE, "--tree", repo, "--good", "nope", "--bad", "HEAD"),
+    assert_bad_input(cli_here("bisect", FIXTURE, "--tree", repo, "--good", "nope",
+                              "--bad", "HEAD"),
                      f"--tree {repo}: no commit 'nope'")
 
 
@@ -192,7 +193,9 @@ def test_release_cache_starts_from_nothing(tmp_path, monkeypatch, capsys):
     assert [line.split(": ")[2].split(" ")[0] for line in said] == [
         "downloading", "unpacking", "done"], said
     assert all(line.startswith("replayer: fetching vllm==0.29.0: ") for line in said), said
-    kept = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*") if p.is_file())
+    # The sources, compiled to bytecode when fetched (be18e56): no kernel, no C/CUDA source.
+    kept = sorted(str(p.relative_to(pkg)) for p in pkg.rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts)
     assert kept == ["__init__.py", "model_executor/configs/x.json", "v1/engine/core.py"]
     # Nothing but the release and its lock: no wheel, no half-extracted folder.
     assert sorted(p.name for p in (cache / "releases").iterdir()) == [
@@ -236,8 +239,8 @@ def test_connector_trace_without_goldens_for_a_release_is_not_replayed(tmp_path)
                         "requests:\n  - {id: a, prompt: [{stream: s, len: 40}]}\n"
                         "expect:\n  \"vllm==0.33.0\": {a: {num_cached_tokens: 0}}\n")
     cache = tmp_path / "cache"
-    proc = cli("check", scenario, "--engine", "vllm==0.31.0",
-               env={"PREFIX_REPLAYER_CACHE": str(cache), "PIP_NO_INDEX": "1"})
+    proc = cli_here("check", scenario, "--engine", "vllm==0.31.0",
+                    env={"PREFIX_REPLAYER_CACHE": str(cache), "PIP_NO_INDEX": "1"})
     assert (proc.returncode, proc.stderr) == (1, "")
     assert proc.stdout == (f"FAIL {scenario}: no goldens for engine vllm==0.31.0 (record them "
                            "with --update-golden); not replayed\n")
@@ -301,7 +304,8 @@ def test_bisect_prints_its_header_before_the_first_replay(tmp_path):
     """The header comes first, even when the first replay then fails (here: no wheel)."""
     env = {"PREFIX_REPLAYER_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
            "PIP_FIND_LINKS": str(tmp_path / "empty")}
-    proc = cli("bisect", FIXTURE, "--good", "vllm==0.29.0", "--bad", "vllm==0.30.0", env=env)
+    proc = cli_here("bisect", FIXTURE, "--good", "vllm==0.29.0", "--bad", "vllm==0.30.0",
+                    env=env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == "bisect over 2 releases:\n"
     assert proc.stderr.splitlines()[-1].startswith(

@@ -1,9 +1,11 @@
 """Issue 11: no hang, no exhausted memory, no traceback, no overwrite, on any input.
 
-Each case feeds the input through the real command line (a fresh interpreter,
-none of these import vLLM) and checks the exit code, the one ``replayer:
-error:`` line naming the file, and that nothing was written or lost. The
-subprocess timeout is a hang detector: every case ends in about a second.
+Each case feeds the input through the real command line (none of these import
+vLLM) and checks the exit code, the one ``replayer: error:`` line naming the
+file, and that nothing was written or lost. An input that could hang or exhaust
+memory runs in a fresh interpreter, whose subprocess timeout is the hang
+detector (every case ends in about a second); the plain refusals and outputs
+run in this process (``cli_here``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import cli_here
 from helpers_traces import (SMALL_SCENARIO, assert_bad_input, cli, listing, make_trace_dir,
                             write_jsonl, write_text)
 
@@ -144,7 +147,7 @@ def test_huge_yaml_is_refused_without_reading_it(tmp_path):
 def test_header_not_utf8(tmp_path):
     out = make_trace_dir(tmp_path)
     (out / "header.json").write_bytes(b'{"x": "\xff"}')
-    assert_bad_input(cli("info", out), "header.json", "not UTF-8")
+    assert_bad_input(cli_here("info", out), "header.json", "not UTF-8")
 
 
 def test_header_nested_100000_deep(tmp_path):
@@ -159,7 +162,7 @@ def test_header_block_tokens_1e12(tmp_path):
     header = json.loads((out / "header.json").read_text())
     header["prompt_blocks"] = {"block_tokens": 10**12}
     (out / "header.json").write_text(json.dumps(header))
-    assert_bad_input(cli("info", out), "header.json",
+    assert_bad_input(cli_here("info", out), "header.json",
                      "header.prompt_blocks.block_tokens is 1000000000000, above the limit")
 
 
@@ -168,7 +171,7 @@ def test_header_int_1e30(tmp_path):
     header = json.loads((out / "header.json").read_text())
     header["engine"]["max_num_seqs"] = 10**30
     (out / "header.json").write_text(json.dumps(header))
-    assert_bad_input(cli("info", out), "header.json", "engine.max_num_seqs is " + E30)
+    assert_bad_input(cli_here("info", out), "header.json", "engine.max_num_seqs is " + E30)
 
 
 def _golden(out, name: str, ids: list[str], engine: str) -> None:
@@ -183,14 +186,14 @@ def _golden(out, name: str, ids: list[str], engine: str) -> None:
 def test_golden_with_duplicate_ids(tmp_path):
     out = make_trace_dir(tmp_path)
     _golden(out, "vllm-0.33.0.parquet", ["a", "b", "a"], "vllm==0.33.0")
-    assert_bad_input(cli("info", out), "vllm-0.33.0.parquet", "column 'id', row 2",
+    assert_bad_input(cli_here("info", out), "vllm-0.33.0.parquet", "column 'id', row 2",
                      "duplicate request id 'a'")
 
 
 def test_golden_whose_metadata_names_another_engine(tmp_path):
     out = make_trace_dir(tmp_path)
     _golden(out, "vllm-0.33.0.parquet", ["a"], "vllm==0.29.0")
-    assert_bad_input(cli("info", out), "vllm-0.33.0.parquet",
+    assert_bad_input(cli_here("info", out), "vllm-0.33.0.parquet",
                      "its metadata names engine 'vllm==0.29.0'", "vllm-0.29.0.parquet")
 
 
@@ -225,14 +228,15 @@ def test_mooncake_from_dev_zero_stops_at_the_line_limit(tmp_path):
 def test_output_dot_is_refused(tmp_path):
     src = write_text(tmp_path / "s.yaml", SMALL_SCENARIO)
     before = listing(tmp_path)
-    assert_bad_input(cli("compile", src, "-o", ".", cwd=tmp_path), "is the current directory")
+    assert_bad_input(cli_here("compile", src, "-o", ".", cwd=tmp_path),
+                     "is the current directory")
     assert listing(tmp_path) == before
 
 
 def test_output_under_a_file_is_refused(tmp_path):
     src = write_text(tmp_path / "s.yaml", SMALL_SCENARIO)
     (tmp_path / "FILE").write_text("keep")
-    assert_bad_input(cli("compile", src, "-o", tmp_path / "FILE" / "x"), "FILE/x",
+    assert_bad_input(cli_here("compile", src, "-o", tmp_path / "FILE" / "x"), "FILE/x",
                      "is a file, not a directory")
     assert (tmp_path / "FILE").read_text() == "keep"
 
@@ -270,9 +274,10 @@ def test_compile_onto_an_existing_trace_needs_force(tmp_path):
     out = make_trace_dir(tmp_path, "OUT")          # SMALL_SCENARIO has goldens
     before = _snapshot(out)
     src = write_text(tmp_path / "s2.yaml", SMALL_SCENARIO.split("expect:")[0])
-    assert_bad_input(cli("compile", src, "-o", out), "OUT", "exists; pass --force to replace it")
+    assert_bad_input(cli_here("compile", src, "-o", out), "OUT",
+                     "exists; pass --force to replace it")
     assert _snapshot(out) == before
-    proc = cli("compile", src, "-o", out, "--force")
+    proc = cli_here("compile", src, "-o", out, "--force")
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.splitlines() == [
         f"replayer: note: replaced the existing trace {out} (--force), its goldens included: "
@@ -295,7 +300,7 @@ def test_force_never_replaces_a_recorded_trace(tmp_path, command):
            "import": lambda: write_jsonl(tmp_path / "m.jsonl", [LINE]),
            "anonymize": lambda: make_trace_dir(tmp_path, "OTHER")}[command]()
     args = ["import", "mooncake"] if command == "import" else [command]
-    proc = cli(*args, src, "-o", out, "--force")
+    proc = cli_here(*args, src, "-o", out, "--force")
     assert_bad_input(proc, "OUT", "is a recorded trace; recorded observations are never replaced")
     assert _snapshot(out) == before
 
@@ -303,7 +308,7 @@ def test_force_never_replaces_a_recorded_trace(tmp_path, command):
 def test_anonymize_onto_its_input_is_refused(tmp_path):
     out = make_trace_dir(tmp_path, "T")
     before = _snapshot(out)
-    assert_bad_input(cli("anonymize", out, "-o", out, "--force"), "T",
+    assert_bad_input(cli_here("anonymize", out, "-o", out, "--force"), "T",
                      "is the input; write the output to another directory")
     assert _snapshot(out) == before
 
@@ -311,8 +316,8 @@ def test_anonymize_onto_its_input_is_refused(tmp_path):
 def test_import_onto_an_existing_trace_needs_force(tmp_path):
     out = make_trace_dir(tmp_path, "OUT")
     src = write_jsonl(tmp_path / "m.jsonl", [LINE])
-    assert_bad_input(cli("import", "mooncake", src, "-o", out), "OUT", "pass --force")
-    proc = cli("import", "mooncake", src, "-o", out, "--force")
+    assert_bad_input(cli_here("import", "mooncake", src, "-o", out), "OUT", "pass --force")
+    proc = cli_here("import", "mooncake", src, "-o", out, "--force")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((out / "header.json").read_text())["source"]["kind"] == "imported"
 
@@ -327,7 +332,7 @@ def test_stale_temporaries_of_a_killed_import_are_cleaned_and_skipped(tmp_path):
         (folder / f"{stale}.yaml").unlink()
     assert [p.name for p in _expand_targets([str(folder)])] == ["conv", "conv.yaml"]
     src = write_text(tmp_path / "s.yaml", SMALL_SCENARIO)
-    proc = cli("compile", src, "-o", folder / "conv", "--force")
+    proc = cli_here("compile", src, "-o", folder / "conv", "--force")
     assert proc.returncode == 0, proc.stderr
     assert "removed " + str(folder / ".conv.tmp-999999999-0123abcd") in proc.stderr
     assert not (folder / ".conv.tmp-999999999-0123abcd").exists()
@@ -337,7 +342,7 @@ def test_outputs_get_the_users_umask(tmp_path):
     src = write_text(tmp_path / "s.yaml", SMALL_SCENARIO)
     old = os.umask(0o022)
     try:
-        assert cli("compile", src, "-o", tmp_path / "OUT").returncode == 0
+        assert cli_here("compile", src, "-o", tmp_path / "OUT").returncode == 0
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "OUT").stat().st_mode) == 0o755

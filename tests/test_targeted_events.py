@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from ruamel.yaml import YAML
 
-from conftest import SCENARIOS, STORE_SCENARIOS, cli
+from conftest import SCENARIOS, STORE_SCENARIOS, cli, cli_here
 from helpers_traces import assert_bad_input, listing, make_trace_dir
 from traces.store_goldens import STORE, compare_store, from_report, from_table, to_table
 
@@ -78,7 +78,7 @@ def test_bad_event_in_a_scenario(tmp_path, case):
     src = tmp_path / "bad.yaml"
     src.write_text(ENGINE % extra + REQS + f"events:\n  - {event}\n")
     before = listing(tmp_path)
-    proc = cli("compile", src, "-o", tmp_path / "OUT")
+    proc = cli_here("compile", src, "-o", tmp_path / "OUT")
     assert_bad_input(proc, "bad.yaml", needle)
     assert listing(tmp_path) == before
 
@@ -98,7 +98,7 @@ def test_bad_event_in_a_trace_directory(tmp_path, row, column, needle):
     full = {"after": None, "at_step": 0, "target": None, "group": None, "keys": None, **row}
     pq.write_table(pa.Table.from_pylist([full], schema=EVENTS.arrow_schema()),
                    trace / "events.parquet")
-    proc = cli("info", trace)
+    proc = cli_here("info", trace)
     assert_bad_input(proc, "events.parquet", f"column '{column}', row 0", needle)
 
 
@@ -205,7 +205,7 @@ def test_a_get_golden_that_differs_is_reported(tmp_path):
 
 def test_gets_golden_in_a_trace_directory(tmp_path):
     trace = tmp_path / "trace"
-    assert cli("compile", RESEND, "-o", trace).returncode == 0
+    assert cli_here("compile", RESEND, "-o", trace).returncode == 0
     for p in (trace / "golden").glob("*"):
         p.unlink()
     proc = cli("check", trace, "--update-golden")
