@@ -1,10 +1,10 @@
 """Replays for a user's own tests: typed outcomes by request id.
 
 In a pytest test (the plugin, :mod:`replayer.pytest_plugin`, provides the
-session fixture ``replayer``)::
+session fixture ``replayer_replay``)::
 
-    def test_patch_keeps_the_hit(replayer):
-        result = replayer("tests/data/turns.yaml", engine="/src/vllm")
+    def test_patch_keeps_the_hit(replayer_replay):
+        result = replayer_replay("tests/data/turns.yaml", engine="/src/vllm")
         assert result["turn2"].num_cached_tokens == 24448
 
 Anywhere else, :func:`replay` does the same::

@@ -1,6 +1,8 @@
 """The pytest plugin (replayer/pytest_plugin.py), through real ``pytest`` runs in a
-subprocess: what it collects, the CLI's report on a broken golden, --update-golden,
-markers, and one engine process per xdist worker.
+subprocess: what it collects (and where: ``replayer_paths`` or paths named on the
+command line), the CLI's report on a broken golden, --replayer-update-golden,
+markers, one engine process per xdist worker, and a foreign project's own options
+and fixtures beside the installed plugin.
 
 Each run replays on the installed vLLM in the plugin's engine process (~10 s of
 vLLM imports per pytest process or worker).
@@ -89,7 +91,7 @@ def test_markers_come_from_the_target():
     assert sorted(line for line in proc.stdout.splitlines() if "::" in line) == [
         "fixtures/traces/conversation_500::installed", "fixtures/traces/live_llama::installed"]
     proc = run_pytest("--collect-only", "-q", "fixtures/", "-m", "real_master",
-                      "--store", "mooncake", cwd=REPO)
+                      "--replayer-store", "mooncake", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     selected = sorted(line for line in proc.stdout.splitlines() if "::" in line)
     assert selected == sorted(f"fixtures/store/{p.name}::installed" for p in STORE.glob("*.yaml"))
@@ -140,7 +142,8 @@ def test_a_broken_golden_fails_with_the_cli_report(broken):
 
 def test_update_golden_rewrites_and_still_fails(broken):
     before = (broken / "junction.yaml").read_text()
-    proc = run_pytest("-q", "junction.yaml", "store_keys.yaml", "--update-golden", cwd=broken)
+    proc = run_pytest("-q", "junction.yaml", "store_keys.yaml", "--replayer-update-golden",
+                      cwd=broken)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "2 failed" in proc.stdout
     assert f"UPDATED {broken / 'junction.yaml'}: goldens for any engine rewritten" in proc.stdout
@@ -166,7 +169,7 @@ def test_no_goldens_and_bad_input_fail_in_one_line(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     out = proc.stdout.splitlines()
     assert ("FAIL only029.yaml: no goldens for engine vllm==0.33.0 (record them with "
-            "--update-golden); not replayed") in out
+            "--replayer-update-golden); not replayed") in out
     bad = [line for line in out if line.startswith("replayer: error: ")]
     assert len(bad) == 1 and "typo.yaml" in bad[0] and "promt" in bad[0], proc.stdout
 
@@ -189,3 +192,89 @@ def test_xdist_two_workers_one_engine_process_each(tmp_path):
     assert "4 passed" in proc.stdout
     started = {p.name: int(p.read_text()) for p in tmp_path.glob("started-*.txt")}
     assert started == {"started-gw0.txt": 1, "started-gw1.txt": 1, "started-main.txt": 0}
+
+
+# -- a foreign project beside the installed plugin -----------------------------------------
+
+FOREIGN_CONFTEST = """
+import pytest
+
+def pytest_addoption(parser):
+    parser.addoption("--store", default="sqlite")
+    parser.addoption("--update-golden", action="store_true")
+
+@pytest.fixture
+def replayer():
+    return "the project's own replayer"
+"""
+
+FOREIGN_TEST = """
+def test_own_options_and_fixture(replayer, pytestconfig):
+    assert replayer == "the project's own replayer"
+    assert pytestconfig.getoption("--store") == "postgres"
+    assert pytestconfig.getoption("--update-golden") is True
+    assert pytestconfig.getoption("--replayer-engine") == ["installed"]     # the plugin's
+"""
+
+
+@pytest.fixture()
+def foreign(tmp_path: Path) -> Path:
+    """Another project: a conftest claiming ``--store``, ``--update-golden`` and a
+    fixture ``replayer``, one test, and under data/ a YAML with a top-level
+    ``requests:`` key and a directory with a header.json (not replayer targets)."""
+    (tmp_path / "conftest.py").write_text(FOREIGN_CONFTEST)
+    (tmp_path / "test_foreign.py").write_text(FOREIGN_TEST)
+    data = tmp_path / "data"
+    (data / "recording").mkdir(parents=True)
+    (data / "recording" / "header.json").write_text('{"format": "not a replayer trace"}\n')
+    (data / "http_mocks.yaml").write_text("requests:\n  - {method: GET, url: /health}\n")
+    return tmp_path
+
+
+def collected(proc: subprocess.CompletedProcess) -> list[str]:
+    return sorted(line for line in proc.stdout.splitlines() if "::" in line)
+
+
+def test_a_foreign_projects_own_options_and_fixture_run_beside_the_plugin(foreign):
+    proc = run_pytest("-q", "--store", "postgres", "--update-golden",
+                      "--replayer-engine", "installed", cwd=foreign)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 passed" in proc.stdout
+    assert "error" not in proc.stderr.lower(), proc.stderr
+
+
+def test_targets_outside_replayer_paths_and_the_command_line_are_not_collected(foreign):
+    own = ["test_foreign.py::test_own_options_and_fixture"]
+    # No path given (pytest takes the current directory), testpaths covering data/,
+    # or only the test file named: data/ is not the plugin's to collect.
+    for args in ([], ["-o", "testpaths=data test_foreign.py"], ["test_foreign.py"]):
+        proc = run_pytest("--collect-only", "-q", *args, cwd=foreign)
+        assert proc.returncode == 0, (args, proc.stdout + proc.stderr)
+        assert collected(proc) == own, (args, proc.stdout)
+    # Opting in: the ini option, or naming the folder (or a target) on the command line.
+    targets = ["data/http_mocks.yaml::installed", "data/recording::installed"]
+    proc = run_pytest("--collect-only", "-q", "-o", "replayer_paths=data", cwd=foreign)
+    assert collected(proc) == sorted([*own, *targets]), proc.stdout + proc.stderr
+    proc = run_pytest("--collect-only", "-q", "data", cwd=foreign)
+    assert collected(proc) == targets, proc.stdout + proc.stderr
+    proc = run_pytest("--collect-only", "-q", "data/recording", cwd=foreign)
+    assert collected(proc) == ["data/recording::installed"], proc.stdout + proc.stderr
+
+
+def test_this_repositorys_replayer_paths_collect_without_naming_them():
+    """pyproject.toml's replayer_paths: a run whose testpaths cover fixtures/ collects
+    every bundled target though no path is named."""
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert data["tool"]["pytest"]["ini_options"]["replayer_paths"] == ["fixtures", "examples"]
+    proc = run_pytest("--collect-only", "-q", "-o", "testpaths=fixtures", cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert collected(proc) == sorted(f"{t}::installed" for t in bundled_targets())
+
+
+@pytest.mark.parametrize("bare", [["--update-golden"], ["--store=mooncake"],
+                                  ["--store-capacity=64MB"]])
+def test_the_bare_option_names_are_not_the_plugins(tmp_path, bare):
+    shutil.copy(SCENARIOS / "reset_prefix_cache.yaml", tmp_path / "s.yaml")
+    proc = run_pytest("-q", *bare, "s.yaml", cwd=tmp_path)
+    assert proc.returncode == 4, proc.stdout + proc.stderr      # pytest's usage error
+    assert f"error: unrecognized arguments: {bare[0]}" in proc.stderr, proc.stderr

@@ -28,12 +28,12 @@ def test_replay_returns_typed_outcomes_by_id():
 
 def test_fixture_in_a_users_test_file(tmp_path):
     (tmp_path / "test_mine.py").write_text(f'''
-def test_turn2_hits(replayer):
-    result = replayer({str(PAIR)!r})
+def test_turn2_hits(replayer_replay):
+    result = replayer_replay({str(PAIR)!r})
     assert result["turn2"].num_cached_tokens == 24448
 
-def test_turn2_would_need_a_whole_block_more(replayer):
-    assert replayer({str(PAIR)!r})["turn2"].num_cached_tokens == 24576
+def test_turn2_would_need_a_whole_block_more(replayer_replay):
+    assert replayer_replay({str(PAIR)!r})["turn2"].num_cached_tokens == 24576
 ''')
     proc = run_pytest("-q", "test_mine.py", cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
