@@ -92,6 +92,7 @@ class WarmClient:
         self._cold: Any = None
         self._env_defaults = dict(env_defaults or {})
         self._lock = threading.Lock()
+        self._cold_lock = threading.Lock()
         self.warm_replays = 0                       # tests and the benchmark read these
         self.cold_replays = 0
 
@@ -108,10 +109,12 @@ class WarmClient:
                 return result
             except ServerUnavailable as exc:
                 self._fall_back(str(exc))
-        with self._lock:
+        # A cold client replays one trace at a time (one child, or this process):
+        # replay_many's threads take turns.
+        with self._cold_lock:
             self.cold_replays += 1
-        return self._cold(trace, progress=progress, store=store, record_dir=record_dir,
-                          shortcuts=shortcuts)
+            return self._cold(trace, progress=progress, store=store, record_dir=record_dir,
+                              shortcuts=shortcuts)
 
     def replay_many(self, traces: Sequence[Any], store: Any = None) -> list[Any]:
         """All at once, each on its own fork (the server runs one per core); in order."""
