@@ -23,7 +23,6 @@ created on demand, so a clean CI machine starts from nothing.
 from __future__ import annotations
 
 import compileall
-import fcntl
 import os
 import re
 import shutil
@@ -33,11 +32,14 @@ import tempfile
 import threading
 import time
 import zipfile
-from contextlib import contextmanager, redirect_stdout
+from contextlib import redirect_stdout
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 from .base import EngineError
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 CACHE_ENV = "PREFIX_REPLAYER_CACHE"
 
@@ -73,14 +75,13 @@ def releases_between(good: str, bad: str) -> list[str]:
     return sorted(found | {good, bad}, key=version_key)
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+def _locked(path: Path) -> FileLock:
+    """An exclusive lock on the file ``path`` (``with _locked(path):``), made if
+    missing and left in place: another process or thread taking it waits until it
+    is released. Imported here: most commands never fetch, and filelock costs time."""
+    from filelock import FileLock
+
+    return FileLock(path)
 
 
 def _marker(top: Path) -> Path | None:

@@ -10,8 +10,6 @@ weights sample. ``client.parquet`` holds, per request: name, the server's
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +17,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from traces.atomic import write_atomic
 
 from .server import SERVED_NAME
 from .stream import LiveRequest
@@ -71,17 +71,11 @@ def send_stream(base_url: str, stream: list[LiveRequest], concurrency: int,
 
 
 def write_client(out: Path, rows: list[dict]) -> Path:
-    """``client.parquet`` in ``out``, written whole under a temporary name."""
+    """``client.parquet`` in ``out``, written whole under a temporary name and
+    renamed (:func:`traces.atomic.write_atomic`: synced, the umask's mode)."""
     table = pa.Table.from_pylist(rows, schema=CLIENT_SCHEMA)
-    fd, tmp = tempfile.mkstemp(prefix=".client.", dir=out)
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, out / CLIENT_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out / CLIENT_FILE
+    write_atomic(Path(out) / CLIENT_FILE, lambda tmp: pq.write_table(table, tmp))
+    return Path(out) / CLIENT_FILE
 
 
 def read_client(trace_dir: Path) -> dict[str, dict]:
