@@ -33,7 +33,8 @@ def test_0290_checks_the_pair_against_its_own_goldens_and_says_each_note_once():
     for name in PAIR:
         assert goldens[name]["vllm==0.33.0"]["turn2"]["num_cached_tokens"] == 24448
 
-    targets = [f"fixtures/scenarios/{name}.yaml" for name in (*PAIR, "eagle_draft_group")]
+    targets = [f"fixtures/scenarios/{name}.yaml"
+               for name in (*PAIR, "pmu_below_block_no_drop", "eagle_draft_group")]
     proc = cli("check", "--engine", "vllm==0.29.0", *targets)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in PAIR:
