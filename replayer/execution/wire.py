@@ -81,7 +81,7 @@ def read_answer(stream: BinaryIO, progress: Any, label: str) -> Any:
         elif kind == "result":
             return frame[1]
         elif kind == "error":
-            raise error_class(frame[1])(frame[2])
+            raise rebuild_error(frame[1], frame[2])
         elif kind == "crash":                       # a bug, shown in full
             raise RuntimeError(f"{label}: the engine process failed:\n{frame[1]}")
         elif kind == "lost":                        # a warm fork's parent: why it died
@@ -90,13 +90,31 @@ def read_answer(stream: BinaryIO, progress: Any, label: str) -> Any:
             raise AnswerLost(f"sent an unexpected frame {kind!r}")
 
 
-def error_class(name: str) -> type[Exception]:
-    """The client's class for an error an engine process reported by name."""
+def rebuild_error(name: str, message: str) -> Exception:
+    """The client's exception for an error an engine process reported by class
+    name: the same class where it is one of the replay's own (a full disk's
+    RecordingError stays one), else EngineError; ``str()`` is the message."""
+    from traces import TraceError
+    from traces.writer import RecordingError
+
     from ..engines import EngineError, UnsupportedByEngine
     from ..replay import ReplayError
 
-    return {"UnsupportedByEngine": UnsupportedByEngine,
-            "ReplayError": ReplayError}.get(name, EngineError)
+    known: dict[str, type[Exception]] = {
+        c.__name__: c for c in (UnsupportedByEngine, ReplayError, TraceError,
+                                RecordingError, EngineError)}
+    try:
+        from ..store import StoreError
+
+        known["StoreError"] = StoreError
+    except ImportError:  # pragma: no cover - the store package is optional here
+        pass
+    cls = known.get(name, EngineError)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)                # no re-formatting: the message as sent
+    if isinstance(exc, TraceError):
+        exc.path, exc.message, exc.column, exc.row = "", message, None, None
+    return exc
 
 
 def answer_frames(replay: Any, job: Job, answers: BinaryIO) -> None:
