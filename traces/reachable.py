@@ -155,6 +155,20 @@ def _token_hashed(trace: Trace, unit: int) -> bool:
     return "output_tokens" in rq.column_names and rq["output_tokens"].null_count < rq.num_rows
 
 
+def _fed_back(tokens: TokenSource, row: int, output_len: int) -> np.ndarray:
+    """The output tokens of row ``row`` that have KV once it finished: its first
+    ``output_len - 1`` (the last sampled token is never fed back).
+
+    ``TokenSource.output`` takes the request's own ``output_len`` (the replay
+    asks it for exactly that): a recorded trace stores all ``output_len``
+    sampled tokens (validated), and they overwrite the first ``output_len``
+    of the synthetic stream. Asking it for ``output_len - 1`` only worked for
+    synthetic outputs (an ``out:<id>`` stream's prefix is the same at any
+    length) and broke on every recorded output. So the replay's tokens are
+    made as the replay makes them, then cut to those with KV."""
+    return tokens.output(row, output_len, 0)[: output_len - 1]
+
+
 def reachable_hits(trace: Trace, clock: Clock | None = None) -> pl.DataFrame:
     """Per request, in lookup order: ``id``, ``arrival_pos`` (that order), ``num_prompt_tokens``,
     ``reachable`` (tokens), ``reachable_from`` (the earliest request that held
@@ -201,7 +215,7 @@ def reachable_hits(trace: Trace, clock: Clock | None = None) -> pl.DataFrame:
         if by_tokens:
             seq = tokens.prompt(i)
             if (out_vis is not None or rid in waiters) and out_len > 1:
-                seq = np.concatenate([seq, tokens.output(i, out_len - 1, 0)])
+                seq = np.concatenate([seq, _fed_back(tokens, i, out_len)])
             content = hasher.from_tokens(seq)
         else:
             off, vals = blocks
