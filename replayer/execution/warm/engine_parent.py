@@ -306,8 +306,14 @@ def _child_main(engine: Any, request: dict[str, Any], conn_fd: int, err_fd: int,
         os.dup2(err_fd, 2)
         os.close(err_fd)
         os.chdir(request["cwd"])
+        # The client's environment, but for what makes this process the engine
+        # it is: a release's overlay first on PYTHONPATH and the pinned seed.
+        # (vLLM runs subprocesses, e.g. to inspect a model class; without the
+        # overlay they would import the installed vLLM, not this release.)
+        own = {k: os.environ[k] for k in ("PYTHONPATH", "PYTHONHASHSEED") if k in os.environ}
         os.environ.clear()
         os.environ.update(request["env"])
+        os.environ.update(own)
         conn = socket.socket(fileno=conn_fd)
         stream = conn.makefile("rwb")
         from ..in_process import replay_here

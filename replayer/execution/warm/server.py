@@ -197,29 +197,41 @@ class Server:
         key = (engine.sources or "installed", tuple(request["env_key"]))
         with self.lock:
             key_lock = self.key_locks.setdefault(key, threading.Lock())
-        with key_lock:
-            with self.lock:
-                handle = self.parents.get(key)
-            if handle is not None and not handle.alive():
-                _reply(conn, ("note", f"warm engine {handle.label} had exited; restarting it"))
-                self._drop(handle)
-                handle = None
-            if handle is not None and handle.fingerprint != request["fingerprint"]:
-                what = " and ".join(changed_parts(handle.fingerprint, request["fingerprint"]))
-                _reply(conn, ("note", f"warm engine {handle.label} is stale ({what} changed "
-                                      "since it started); restarting it"))
-                self._drop(handle)
-                handle = None
+        if not key_lock.acquire(blocking=False):
+            # Another connection is starting (or restarting) this engine: say
+            # so before waiting behind it, or the client gives up after its
+            # first-answer timeout and replays cold from then on.
+            _reply(conn, ("wait", f"waiting for warm engine {engine.info.label}"))
+            key_lock.acquire()
+        try:
+            return self._parent_for_locked(key, engine, request, conn)
+        finally:
+            key_lock.release()
+
+    def _parent_for_locked(self, key: tuple, engine: Any, request: dict[str, Any],
+                           conn: socket.socket) -> ParentHandle | None:
+        with self.lock:
+            handle = self.parents.get(key)
+        if handle is not None and not handle.alive():
+            _reply(conn, ("note", f"warm engine {handle.label} had exited; restarting it"))
+            self._drop(handle)
+            handle = None
+        if handle is not None and handle.fingerprint != request["fingerprint"]:
+            what = " and ".join(changed_parts(handle.fingerprint, request["fingerprint"]))
+            _reply(conn, ("note", f"warm engine {handle.label} is stale ({what} changed "
+                                  "since it started); restarting it"))
+            self._drop(handle)
+            handle = None
+        if handle is None:
+            # Not said to the user (the replay takes as long as a cold one,
+            # once); the client waits longer from here.
+            _reply(conn, ("wait", f"starting warm engine {engine.info.label}"))
+            handle, why = self._start_parent(key, engine, request)
             if handle is None:
-                # Not said to the user (the replay takes as long as a cold one,
-                # once); the client waits longer from here.
-                _reply(conn, ("wait", f"starting warm engine {engine.info.label}"))
-                handle, why = self._start_parent(key, engine, request)
-                if handle is None:
-                    _reply(conn, ("refused", why))
-                    return None
-            handle.last_used = time.monotonic()
-            return handle
+                _reply(conn, ("refused", why))
+                return None
+        handle.last_used = time.monotonic()
+        return handle
 
     def _drop(self, handle: ParentHandle) -> None:
         with self.lock:
