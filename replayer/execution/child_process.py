@@ -70,7 +70,8 @@ def engine_env(engine: ResolvedEngine, overlay: Path,
     return env
 
 
-def _stderr_fd() -> int:
+def stderr_fd() -> int:
+    """This process's stderr descriptor (fd 2 where pytest captured sys.stderr)."""
     try:
         return sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):   # a captured stderr (pytest)
@@ -110,7 +111,7 @@ class EngineProcess:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "replayer.execution.child_main", str(write_fd)],
-                stdin=subprocess.PIPE, stdout=_stderr_fd(), env=env,
+                stdin=subprocess.PIPE, stdout=stderr_fd(), env=env,
                 pass_fds=(write_fd,))
         finally:
             os.close(write_fd)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from ...engines import EngineError, check_supported
+from ..child_process import stderr_fd
 from ..wire import AnswerLost, Job, encode, read_answer, recv, send
 from . import paths
 from .fingerprint import engine_fingerprint, environment_key
@@ -69,13 +70,6 @@ def _connect(timeout: float) -> socket.socket:
         sock.close()
         raise ServerUnavailable(f"cannot connect to {path} ({exc.strerror or exc})") from None
     return sock
-
-
-def _stderr_fd() -> int:
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):   # a captured stderr (pytest)
-        return 2
 
 
 class WarmClient:
@@ -146,7 +140,7 @@ class WarmClient:
         sock = _connect(FIRST_ANSWER_S)
         try:
             try:
-                socket.send_fds(sock, [encode(self._hello())], [_stderr_fd()])
+                socket.send_fds(sock, [encode(self._hello())], [stderr_fd()])
                 stream = sock.makefile("rwb")
                 while True:
                     frame = recv(stream)
