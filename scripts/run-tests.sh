@@ -83,10 +83,12 @@ pytest_phase() {  # pytest_phase NAME FILES... (no real_master tests)
   fi
   # 5 (nothing collected) is fine here: a file may hold only real_master tests.
   # shellcheck disable=SC2086
-  ALLOW_EMPTY=1 phase "$name" "$PY" -m pytest -q -m "not real_master and not live_server" $files "${ARGS[@]}"
+  ALLOW_EMPTY=1 phase "$name" "$PY" -m pytest -q "${DURATIONS[@]}" -m "not real_master and not live_server" $files "${ARGS[@]}"
 }
 
 ARGS=("$@")
+# The slowest tests of each phase, so a CI log says where its time went.
+DURATIONS=(--durations=12 --durations-min=15)
 fetch_releases() {
   "$PY" -c 'from replayer.engines.releases import release_sources
 for v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"):

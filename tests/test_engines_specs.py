@@ -310,3 +310,20 @@ def test_bisect_prints_its_header_before_the_first_replay(tmp_path):
     assert proc.stdout == "bisect over 2 releases:\n"
     assert proc.stderr.splitlines()[-1].startswith(
         "replayer: error: engine vllm==0.29.0: could not fetch the wheel")
+
+
+def test_each_release_and_tree_gets_a_vllm_cache_of_its_own(tmp_path, monkeypatch):
+    """vLLM's model-info cache is keyed by model class only: releases sharing one
+    rewrote each other's files (a ~5 s inspection subprocess per replay)."""
+    from replayer.engines.specs import ResolvedEngine
+    from replayer.execution.child_process import engine_env
+
+    monkeypatch.setenv("PREFIX_REPLAYER_CACHE", str(tmp_path / "cache"))
+    a = ResolvedEngine("vllm==0.29.0", EngineInfo("0.29.0", "release"), str(tmp_path / "a"))
+    b = ResolvedEngine("vllm==0.30.0", EngineInfo("0.30.0", "release"), str(tmp_path / "b"))
+    installed = ResolvedEngine("installed", EngineInfo("0.33.0"))
+    roots = [engine_env(e, tmp_path / "overlay").get("VLLM_CACHE_ROOT") for e in (a, b)]
+    assert roots[0] != roots[1] and all(r.startswith(str(tmp_path / "cache")) for r in roots)
+    assert engine_env(a, tmp_path / "overlay")["VLLM_CACHE_ROOT"] == roots[0]   # stable
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    assert "VLLM_CACHE_ROOT" not in engine_env(installed, tmp_path / "overlay")

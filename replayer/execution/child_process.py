@@ -24,6 +24,7 @@ nothing vLLM prints can reach the channel or the parent's ``--json -``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -54,12 +55,26 @@ def write_overlay(engine: ResolvedEngine, overlay: Path) -> None:
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {engine.info.vllm}\n")
 
 
+def vllm_cache_root(engine: ResolvedEngine) -> Path | None:
+    """A vLLM cache directory of a release's or tree's own (None: the installed
+    vLLM keeps the user's). vLLM's model-info cache names its files by model
+    class only and rejects one written by other sources, so two releases
+    sharing ``~/.cache/vllm`` rewrote each other's on every replay, each time
+    paying a ~5 s model-inspection subprocess."""
+    if engine.sources is None:
+        return None
+    from ..engines.releases import cache_dir
+
+    digest = hashlib.sha256(str(Path(engine.sources).resolve()).encode()).hexdigest()[:12]
+    return cache_dir() / "vllm-cache" / f"{engine.info.vllm}-{digest}"
+
+
 def engine_env(engine: ResolvedEngine, overlay: Path,
                env_defaults: dict[str, str] | None = None,
                base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a process that imports ``engine``: this one's over
     ``env_defaults``, the interpreter hash seed pinned, the overlay and this
-    checkout first on ``PYTHONPATH``. ``base``: the environment to start from
+    checkout first on ``PYTHONPATH``, a release's own vLLM cache root. ``base``: the environment to start from
     (this process's by default)."""
     env = {**(env_defaults or {}), **(os.environ if base is None else base)}
     env["PYTHONHASHSEED"] = INTERPRETER_SEED
@@ -67,6 +82,9 @@ def engine_env(engine: ResolvedEngine, overlay: Path,
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
+    root = vllm_cache_root(engine)
+    if root is not None:
+        env["VLLM_CACHE_ROOT"] = str(root)
     return env
 
 

@@ -307,10 +307,12 @@ def _child_main(engine: Any, request: dict[str, Any], conn_fd: int, err_fd: int,
         os.close(err_fd)
         os.chdir(request["cwd"])
         # The client's environment, but for what makes this process the engine
-        # it is: a release's overlay first on PYTHONPATH and the pinned seed.
-        # (vLLM runs subprocesses, e.g. to inspect a model class; without the
-        # overlay they would import the installed vLLM, not this release.)
-        own = {k: os.environ[k] for k in ("PYTHONPATH", "PYTHONHASHSEED") if k in os.environ}
+        # it is: a release's overlay first on PYTHONPATH, the pinned seed and
+        # its own vLLM cache root (child_process.engine_env). (vLLM runs
+        # subprocesses, e.g. to inspect a model class; without the overlay they
+        # would import the installed vLLM, not this release.)
+        own = {k: os.environ[k] for k in ("PYTHONPATH", "PYTHONHASHSEED", "VLLM_CACHE_ROOT")
+               if k in os.environ}
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ.update(own)
@@ -358,6 +360,11 @@ def main(ctrl_fd: int) -> int:
     from ..environment import quiet_vllm
 
     quiet_vllm(os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1")
+    from ..child_process import vllm_cache_root
+
+    root = vllm_cache_root(engine)      # set here too: a server started by older code
+    if root is not None:                # builds this process's environment without it
+        os.environ["VLLM_CACHE_ROOT"] = str(root)
     try:
         info = preload(engine)
     except BaseException as exc:  # noqa: BLE001 - said to the server, which tells the client
