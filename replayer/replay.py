@@ -28,6 +28,12 @@ from .schedule import Event, Schedule
 # A step in which nothing could be scheduled, this many times running, means the
 # trace can never finish (a prompt that does not fit the KV cache, say).
 MAX_IDLE_STEPS = 1000
+# Steps that compute tokens yet finish nothing: preemption undoes prefills, and
+# requests that keep preempting each other in a cache too small for them all
+# never finish (vLLM itself would spin the same way). Without preemption no
+# request needs more steps than it has tokens, so past twice the live requests'
+# tokens (and at least this many steps) the replay stops with an error.
+MIN_STUCK_STEPS = 10_000
 
 
 class ReplayError(RuntimeError):
@@ -226,6 +232,7 @@ def replay(trace: Trace, engine: EngineAdapter,
     totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}   # of handed-on outcomes
     finished_engine_step: dict[str, int] = {}
     clock = steps_run = idle = done = prompt_done = cached_done = 0
+    since_progress = 0
 
     def add(i: int) -> None:
         prompt = tokens.prompt(i)
@@ -304,6 +311,15 @@ def replay(trace: Trace, engine: EngineAdapter,
             raise ReplayError(f"no progress for {MAX_IDLE_STEPS} steps at step {clock}: "
                               f"requests {waiting[:5]} can never be scheduled "
                               "(do they fit num_gpu_blocks and max_model_len?)")
+        since_progress = 0 if res.finished else since_progress + 1
+        if since_progress >= MIN_STUCK_STEPS and since_progress % MIN_STUCK_STEPS == 0:
+            live_tokens = sum(pending[i].num_prompt_tokens + int(rows.output_len[i])
+                              for i in live.values())
+            if since_progress > 2 * live_tokens:
+                stuck = [pending[i].id for i in live.values()]
+                raise ReplayError(f"no request finished in {since_progress} steps at step "
+                                  f"{clock}: requests {stuck[:5]} keep being preempted "
+                                  "(does num_gpu_blocks hold them side by side?)")
         for p in res.prefills:
             row = live.get(p.id)
             if row is None:

@@ -13,7 +13,7 @@ import pytest
 
 from replayer.engines.base import (EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome,
                                    StepResult)
-from replayer.replay import MAX_IDLE_STEPS, ReplayError, replay
+from replayer.replay import MAX_IDLE_STEPS, MIN_STUCK_STEPS, ReplayError, replay
 from replayer.schedule import Schedule
 from traces.scenario import compile_scenario
 
@@ -21,12 +21,13 @@ from traces.scenario import compile_scenario
 class FakeEngine(EngineAdapter):
     """Every running request advances one token a step; nothing is ever cached."""
 
-    def __init__(self, stuck: bool = False) -> None:
+    def __init__(self, stuck: bool = False, thrashing: bool = False) -> None:
         super().__init__()
         self.info = EngineInfo("0.0.0", "fake")
         self.log: list[str] = []
         self.steps = 0
         self.stuck = stuck                   # never schedules anything
+        self.thrashing = thrashing           # computes every step, finishes nothing
         self.running: dict[str, list[int]] = {}   # id -> [tokens still to emit, prompt len]
         self.closed = False
 
@@ -38,6 +39,8 @@ class FakeEngine(EngineAdapter):
         self.steps += 1
         if self.stuck:
             return StepResult(executed=False)
+        if self.thrashing:                   # preempted and recomputed, again and again
+            return StepResult(executed=True)
         out = StepResult(executed=bool(self.running))
         for rid, state in list(self.running.items()):
             if state[1]:                     # first step: the prefill
@@ -50,7 +53,7 @@ class FakeEngine(EngineAdapter):
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or self.stuck
+        return bool(self.running) or self.stuck or self.thrashing
 
     def reset_prefix_cache(self) -> bool:
         self.log.append(f"reset before step {self.steps}")
@@ -188,6 +191,28 @@ def test_an_engine_that_never_schedules_stops_the_replay(tmp_path):
               - {id: a, prompt: {stream: s, len: 20}}
             """, engine)
     assert engine.steps == MAX_IDLE_STEPS
+
+
+def test_requests_that_compute_but_never_finish_stop_the_replay(tmp_path):
+    """A preemption loop (steps run, nothing finishes) ends in an error, not a hang."""
+    engine = FakeEngine(thrashing=True)
+    with pytest.raises(ReplayError, match=r"no request finished in \d+ steps .*\['a', 'b'\] "
+                                          "keep being preempted"):
+        run(tmp_path, """\
+            requests:
+              - {id: a, prompt: {stream: s, len: 20}}
+              - {id: b, prompt: {stream: t, len: 30}}
+            """, engine)
+    assert engine.steps == MIN_STUCK_STEPS
+
+
+def test_a_long_request_is_not_taken_for_a_stuck_one(tmp_path):
+    """Steps without a finish are fine while the live requests have tokens left."""
+    _, r, engine = run(tmp_path, f"""\
+        requests:
+          - {{id: long, prompt: {{stream: s, len: 20}}, output_len: {MIN_STUCK_STEPS + 50}}}
+        """)
+    assert r["long"].finish_step == MIN_STUCK_STEPS + 49
 
 
 def test_schedule_hands_out_each_arrival_and_event_once():
