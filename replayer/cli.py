@@ -141,6 +141,25 @@ def _parser() -> argparse.ArgumentParser:
                           "tokens), store (keys written, lookups; connector traces)")
     engine_opts(bis, engine=False)
 
+    shr = sub.add_parser("shrink", help="cut a trace down to a small scenario that keeps one "
+                                        "property (a loss by cause, or two engines disagreeing)")
+    shr.add_argument("target", help="scenario .yaml or trace directory")
+    shr.add_argument("-o", "--output", required=True, metavar="SCENARIO.yaml")
+    shr.add_argument("--request", metavar="ID", help="the request the property is about")
+    shr.add_argument("--lost-by", metavar="CAUSE", help="keep: --request loses tokens to this "
+                                                        "cause (replayer explain's causes)")
+    shr.add_argument("--at-least", type=int, metavar="N",
+                     help="with --lost-by: at least N tokens (default: as many as the input)")
+    shr.add_argument("--engine", metavar="SPEC", help="with --lost-by: " + ENGINE_HELP)
+    shr.add_argument("--diff", nargs=2, metavar=("ENGINE_A", "ENGINE_B"),
+                     help="keep: the two engines disagree (on --request, if given)")
+    shr.add_argument("--on", choices=("outcomes", "store"), default="outcomes",
+                     help="with --diff: disagree on hits (default) or on store keys/lookups")
+    shr.add_argument("--max-probes", type=int, metavar="N", help="stop after N probes")
+    shr.add_argument("--timeout", type=float, metavar="SECONDS", help="stop after this long")
+    shr.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
+    no_server_opt(shr)
+
     comp = sub.add_parser("compile", help="compile a scenario into a trace directory")
     comp.add_argument("scenario")
     comp.add_argument("-o", "--output", required=True, help="trace directory to write")
@@ -618,6 +637,12 @@ def cmd_bisect(args) -> int:
     return EXIT_OK if res.first_bad is not None else EXIT_MISMATCH
 
 
+def cmd_shrink(args) -> int:
+    from .shrink.cli import run_shrink
+
+    return run_shrink(args, _err)
+
+
 def _plan_output(args, inputs) -> list[str]:
     """Refuse a bad ``-o`` before reading anything; the notes to say once written
     (what ``--force`` replaced, temporaries of killed runs removed)."""
@@ -778,7 +803,7 @@ def cmd_server(args) -> int:
 
 COMMANDS = {"run": cmd_run, "check": cmd_check, "explain": cmd_explain, "sweep": cmd_sweep,
             "report": cmd_report,
-            "diff": cmd_diff, "bisect": cmd_bisect,
+            "diff": cmd_diff, "bisect": cmd_bisect, "shrink": cmd_shrink,
             "compile": cmd_compile, "import": cmd_import, "info": cmd_info,
             "anonymize": cmd_anonymize, "server": cmd_server}
 
