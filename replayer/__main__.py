@@ -8,7 +8,7 @@ and the CLI; every other command goes straight to :func:`replayer.cli.main`.
 
 import sys
 
-REPLAY_COMMANDS = ("run", "check", "explain", "sweep", "report", "diff", "bisect")
+REPLAY_COMMANDS = ("run", "check", "explain", "sweep", "report", "diff", "bisect", "shrink")
 
 
 def entry() -> None:

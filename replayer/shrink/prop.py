@@ -60,7 +60,8 @@ class LostBy:
         detail = (f"request {rid} loses {lost} token(s) to {self.cause} (reachable "
                   f"{row['reachable']}, actual {row['actual']}; lost by cause: "
                   f"{causes or 'none'})")
-        return Verdict(lost >= need and lost > 0, detail, rid, {self.engine: ex.baseline}, lost)
+        return Verdict(lost >= need and lost > 0, detail, rid, value=lost,
+                       results={self.engine: ex.baseline})
 
 
 def _causes() -> tuple[str, ...]:
