@@ -130,6 +130,9 @@ def _shrink(target, output, prop, case0, clients, max_probes, timeout, say) -> O
         stopped = str(exc)
     except KeyboardInterrupt:
         stopped = "interrupted"
+    if prober.errors:
+        say(f"shrink: {prober.errors} probe(s) could not replay (counted as losing the "
+            f"property); the first: {prober.first_error}")
     if stopped:
         say(f"shrink: stopped ({stopped}); writing the best scenario found so far")
     say(line().replace(stage[0], "done", 1))

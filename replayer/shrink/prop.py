@@ -132,6 +132,8 @@ class Prober:
         self.on_probe = on_probe or (lambda: None)
         self._cache: dict[str, bool] = {}
         self._lock = threading.Lock()
+        self.errors = 0                         # probes whose replay failed (counted as lost)
+        self.first_error: str | None = None
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -158,8 +160,12 @@ class Prober:
             ok = self.prop.evaluate(case, self.clients).holds
         except (LimitReached, KeyboardInterrupt):
             raise
-        except Exception:           # vLLM refused the engine, the replay could not finish
+        except Exception as exc:    # vLLM refused the engine, the replay could not finish
             ok = False
+            with self._lock:
+                self.errors += 1
+                if self.first_error is None:
+                    self.first_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         with self._lock:
             self._cache[key] = ok
         self.on_probe()
