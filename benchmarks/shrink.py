@@ -6,7 +6,7 @@ shrunk with ``--diff vllm==0.29.0 installed --request turn2``. Start a warm
 server first (``replayer server start --engine installed --engine
 vllm==0.29.0``): cold, every probe pays vLLM's imports.
 
-    .venv/bin/python benchmarks/shrink.py [--noise 24]
+    .venv/bin/python benchmarks/shrink.py [--noise 24] [--timeout S] [--max-probes N]
 """
 
 from __future__ import annotations
@@ -29,21 +29,27 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--noise", type=int, default=24)
+    ap.add_argument("--timeout", type=float, help="passed to shrink (best so far written)")
+    ap.add_argument("--max-probes", type=int, help="passed to shrink")
     args = ap.parse_args()
+    limits = ([] if args.timeout is None else ["--timeout", str(args.timeout)]) + (
+        [] if args.max_probes is None else ["--max-probes", str(args.max_probes)])
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "planted.yaml", Path(tmp) / "repro.yaml"
         data = planted(args.noise)
         src.write_text(yaml.safe_dump(data, sort_keys=False))
         t = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "replayer", "shrink", str(src), "-o", str(out),
-                               "--diff", "vllm==0.29.0", "installed", "--request", "turn2"],
+                               "--diff", "vllm==0.29.0", "installed", "--request", "turn2", *limits],
                               cwd=REPO, capture_output=True, text=True)
         wall = time.monotonic() - t
         if proc.returncode != 0:
             print(proc.stderr, file=sys.stderr)
             return proc.returncode
         print(proc.stdout.strip())
-        print(f"planted case: {len(data['requests'])} requests in, wall {wall:.1f} s")
+        kept = [r["id"] for r in yaml.safe_load(out.read_text())["requests"]]
+        print(f"planted case: {len(data['requests'])} requests in, {len(kept)} out "
+              f"({', '.join(kept)}), wall {wall:.1f} s")
     return 0
 
 
