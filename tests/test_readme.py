@@ -14,7 +14,8 @@ Normalisations, each because the thing truly varies, and nothing else:
   the release is not in the cache yet;
 * trailing spaces and trailing blank lines are ignored;
 * in what ``replayer server`` prints, process ids, start-up seconds and the
-  socket's path (:data:`SERVER_VARIES`), on both sides.
+  socket's path (:data:`SERVER_VARIES`), on both sides;
+* in what ``replayer shrink`` prints, its seconds (:data:`SHRINK_SECONDS`).
 
 A marker comment on the line just above a block's fence says how to run it:
 ``<!-- readme-test: slow -->`` (minutes: marked ``slow``),
@@ -45,6 +46,7 @@ from helpers_traces import REPO
 README = REPO / "README.md"
 MARKER = re.compile(r"<!--\s*readme-test:\s*(.*?)\s*-->")
 FETCH_LINE = re.compile(r"^replayer: fetching vllm==\S+: ")
+SHRINK_SECONDS = re.compile(r"\b\d+\.\d s\b")
 SERVER_VARIES = [(re.compile(r"\bpid \d+"), "pid N"),
                  (re.compile(r"\b(ready|started) in \d+(\.\d+)? s"), r"\1 in N s"),
                  (re.compile(r"listening on \S+"), "listening on SOCKET")]
@@ -191,6 +193,8 @@ def run_block(block: Block, tmp: Path) -> list[tuple[str, list[str], list[str]]]
 
 
 def _normalise(line: str) -> str:
+    if line.startswith(("shrink: ", "wrote ")) and "probe(s)" in line:
+        line = SHRINK_SECONDS.sub("N s", line)
     for pattern, text in SERVER_VARIES:
         line = pattern.sub(text, line)
     return line.rstrip()
@@ -267,6 +271,9 @@ def test_matching_rules():
     assert matches(["a", "...", "d"], ["a", "d"])
     assert not matches(["a", "...", "d"], ["a", "b"])
     assert not matches(["a"], ["a", "b"])
+    assert _normalise("shrink: done: 95 probe(s), 2 request(s), 336 token(s) left, 61.3 s") == \
+        "shrink: done: 95 probe(s), 2 request(s), 336 token(s) left, N s"
+    assert _normalise("PASS x.yaml: 1.5 s") == "PASS x.yaml: 1.5 s"        # only shrink's
     block = console_blocks("<!-- readme-test: slow, setup patched_tree -->\n```console\n"
                            "$ echo hi\nhi\n$ echo $?\n0\n```\n")[0]
     assert (block.slow, block.setups, block.skip) == (True, ["patched_tree"], None)
