@@ -1,8 +1,8 @@
-"""``replayer shrink``: a planted #51295 pair found in traffic, a capacity loss,
-1-minimality, determinism, and bad input in one line.
+"""``replayer shrink``: a planted #51295 pair and a planted #56615 store resend found
+in traffic, a capacity loss, 1-minimality, determinism, and bad input in one line.
 
-The module runs a warm server of its own (a private ``PREFIX_REPLAYER_RUNTIME_DIR``,
-as tests/test_warm_server.py does), so every probe is a fork, not a cold start.
+Every probe is a fork of a warm engine, not a cold start: the test run's server
+(``make test`` starts one), else one the module starts in a private runtime dir.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import SCENARIOS, cli, cli_here
+from conftest import REPO, SCENARIOS, cli, cli_here
 
 pytestmark = pytest.mark.slow
 
@@ -24,19 +24,26 @@ HYBRID = yaml.safe_load((SCENARIOS / "vllm51295_turn1_24577.yaml").read_text())[
 
 
 class Server:
+    """The test run's warm server where there is one (scripts/run-tests.sh starts
+    it: its engines are warm already), else one of the module's own."""
+
     def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
-        self.env = {"PREFIX_REPLAYER_RUNTIME_DIR": str(self.root),
+        shared = os.environ.get("PREFIX_REPLAYER_RUNTIME_DIR")
+        self.root = None if shared else Path(tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
+        self.env = {"PREFIX_REPLAYER_RUNTIME_DIR": shared or str(self.root),
                     "PREFIX_REPLAYER_NO_SERVER": ""}
-        proc = self.cli("server", "start", "--engine", "installed", "--engine", "vllm==0.29.0")
-        assert proc.returncode == 0, proc.stderr
+        if self.root is not None:
+            proc = self.cli("server", "start", "--engine", "installed",
+                            "--engine", "vllm==0.29.0")
+            assert proc.returncode == 0, proc.stderr
 
     def cli(self, *args: object, **kw):
         return cli(*args, env=self.env, **kw)
 
     def stop(self) -> None:
-        self.cli("server", "stop")
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self.root is not None:
+            self.cli("server", "stop")
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +86,26 @@ def planted(noise: int = 24, seed: int = 7) -> dict:
                                  "output_len": 1})
     return {"description": "the #51295 pair planted in unrelated traffic",
             "engine": HYBRID, "requests": reqs}
+
+
+def planted_store(noise: int = 10, seed: int = 3) -> dict:
+    """#56615: a prompt sent, the GPU prefix cache reset, the prompt sent again
+    (served from MooncakeStore only where attention is written at B + H),
+    among unrelated traffic and two resets that matter to nobody."""
+    src = yaml.safe_load((REPO / "fixtures" / "store" / "resend_after_reset.yaml").read_text())
+    rng = random.Random(seed)
+    reqs = [{"id": f"n{i}", "arrival_step": rng.randrange(0, 30),
+             "prompt": [{"stream": f"s{i}", "start": 0, "len": rng.randrange(200, 3000)}],
+             "output_len": rng.randrange(1, 4)} for i in range(noise)]
+    reqs.insert(3, {"id": "first", "arrival_step": 4,
+                    "prompt": [{"stream": "a", "start": 0, "len": 7449}]})
+    reqs.insert(7, {"id": "resend", "after": "first",
+                    "prompt": [{"stream": "a", "start": 0, "len": 7449}]})
+    events = [{"after": "n1", "action": "reset_prefix_cache"},
+              {"after": "first", "action": "reset_prefix_cache"},
+              {"after": "n5", "action": "reset_prefix_cache"}]
+    return {"description": "the #56615 resend planted in unrelated traffic",
+            "engine": src["engine"], "requests": reqs, "events": events}
 
 
 def capacity_case(noise: int = 6) -> dict:
@@ -142,6 +169,32 @@ def still_holds_without_each(server, scenario: Path, prop) -> list[str]:
                 os.environ[k] = v
 
 
+def holds_without_events(server, scenario: Path, prop) -> bool:
+    """Whether ``prop`` still holds once every event of ``scenario`` is removed."""
+    from replayer.shrink.prop import Prober
+    from traces.scenario import compile_scenario
+    from replayer.shrink.case import Case
+    from replayer.execution.clients import make_client
+
+    old = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        case = Case.from_trace(compile_scenario(scenario))
+        clients = {s: make_client(s, own_process=True) for s in prop.engines}
+        try:
+            # As a shrink probe counts it: a replay that cannot finish loses the property.
+            return Prober(prop, clients).holds(case.without(set(), set(range(len(case.events)))))
+        finally:
+            for c in clients.values():
+                c.close()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def test_planted_51295_pair_shrinks_to_two_requests(server, tmp_path):
     src = _write(tmp_path, "planted.yaml", planted())
     out = tmp_path / "repro.yaml"
@@ -170,6 +223,31 @@ def test_planted_51295_pair_shrinks_to_two_requests(server, tmp_path):
 
     prop = Differ("vllm==0.29.0", "installed", "outcomes", "turn2")
     assert still_holds_without_each(server, out, prop) == []
+
+
+def test_planted_56615_resend_keeps_its_reset_event(server, tmp_path):
+    """0.31.0 writes attention at the lookup boundary B, so a resend after a reset
+    misses the store; 0.33.0 writes it at B + H and hits. The shrink keeps the two
+    requests and the reset between them, and drops the two other resets."""
+    src = _write(tmp_path, "planted.yaml", planted_store())
+    out = tmp_path / "repro.yaml"
+    proc = server.cli("shrink", src, "-o", out, "--diff", "vllm==0.31.0", "installed",
+                      "--request", "resend", timeout=1500)
+    assert proc.returncode == 0, proc.stderr
+    data = yaml.safe_load(out.read_text())
+    assert [r["id"] for r in data["requests"]] == ["turn1", "turn2"]
+    assert data["events"] == [{"after": "turn1", "action": "reset_prefix_cache"}]
+    assert data["expect"]["vllm==0.31.0"]["turn2"]["num_cached_tokens"] == 0
+    assert data["expect"]["vllm==0.33.0"]["turn2"]["num_external_cached_tokens"] > 0
+    assert set(data["expect_store"]) == {"vllm==0.31.0", "vllm==0.33.0"}
+    for engine in ("vllm==0.31.0", "installed"):
+        check = server.cli("check", out, "--engine", engine)
+        assert check.returncode == 0, check.stdout + check.stderr
+    from replayer.shrink.prop import Differ
+
+    prop = Differ("vllm==0.31.0", "installed", "outcomes", "turn2")
+    assert still_holds_without_each(server, out, prop) == []
+    assert not holds_without_events(server, out, prop)
 
 
 def test_lost_by_capacity_keeps_the_loss_and_is_deterministic(server, tmp_path):
