@@ -7,6 +7,7 @@ Every probe is a fork of a warm engine, not a cold start: the test run's server
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -141,58 +142,37 @@ def _one_error_line(proc) -> str:
     return errors[0]
 
 
+@contextlib.contextmanager
+def probing(server, scenario: Path, prop):
+    """``scenario`` as a shrink Case, and a Prober for ``prop`` on the server's
+    engines (a probe as a shrink counts it: a replay that cannot finish loses)."""
+    from replayer.execution.clients import make_client
+    from replayer.shrink.case import Case
+    from replayer.shrink.prop import Prober
+    from traces.scenario import compile_scenario
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in server.env.items():
+            mp.setenv(k, v)
+        clients = {s: make_client(s, own_process=True) for s in prop.engines}
+        try:
+            yield Case.from_trace(compile_scenario(scenario)), Prober(prop, clients)
+        finally:
+            for c in clients.values():
+                c.close()
+
+
 def still_holds_without_each(server, scenario: Path, prop) -> list[str]:
     """The requests of ``scenario`` whose removal keeps ``prop`` (1-minimal: none)."""
-    from traces.scenario import compile_scenario
-    from replayer.shrink.case import Case
-    from replayer.execution.clients import make_client
-
-    old = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    try:
-        case = Case.from_trace(compile_scenario(scenario))
-        clients = {s: make_client(s, own_process=True) for s in prop.engines}
-        keeps = []
-        for rid in case.ids:
-            if rid == prop.request:
-                continue
-            if prop.evaluate(case.without({rid}), clients).holds:
-                keeps.append(rid)
-        for c in clients.values():
-            c.close()
-        return keeps
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with probing(server, scenario, prop) as (case, prober):
+        return [rid for rid in case.ids
+                if rid != prop.request and prober.holds(case.without({rid}))]
 
 
 def holds_without_events(server, scenario: Path, prop) -> bool:
     """Whether ``prop`` still holds once every event of ``scenario`` is removed."""
-    from replayer.shrink.prop import Prober
-    from traces.scenario import compile_scenario
-    from replayer.shrink.case import Case
-    from replayer.execution.clients import make_client
-
-    old = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    try:
-        case = Case.from_trace(compile_scenario(scenario))
-        clients = {s: make_client(s, own_process=True) for s in prop.engines}
-        try:
-            # As a shrink probe counts it: a replay that cannot finish loses the property.
-            return Prober(prop, clients).holds(case.without(set(), set(range(len(case.events)))))
-        finally:
-            for c in clients.values():
-                c.close()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with probing(server, scenario, prop) as (case, prober):
+        return prober.holds(case.without(set(), set(range(len(case.events)))))
 
 
 def test_planted_51295_pair_shrinks_to_two_requests(server, tmp_path):
