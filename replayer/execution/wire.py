@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import pickle
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 _HEADER = struct.Struct("<Q")
+# Seconds between two progress frames of one replay (the last one is always sent).
+PROGRESS_EVERY = 0.1
 
 
 @dataclass(frozen=True)
@@ -136,8 +139,22 @@ def answer_frames(replay: Any, job: Job, answers: BinaryIO) -> None:
         bad_input += (StoreError,)
     except ImportError:  # pragma: no cover - the store package is optional here
         pass
+    last = [0.0]
+    held: list[Any] = []            # the newest progress not sent yet
+
+    def progress(p: Any) -> None:
+        # At most one frame per PROGRESS_EVERY seconds: a frame per engine step
+        # kept the client busy on a machine whose cores the replays need.
+        held[:] = [p]
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_EVERY:
+            last[0] = now
+            send(answers, ("progress", held.pop()))
+
     try:
-        result = replay(job, lambda p: send(answers, ("progress", p)))
+        result = replay(job, progress)
+        if held:                    # the final state, so a progress bar ends at it
+            send(answers, ("progress", held.pop()))
         send(answers, ("result", result))
     except bad_input as exc:
         send(answers, ("error", type(exc).__name__, str(exc)))
