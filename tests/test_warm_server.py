@@ -209,10 +209,12 @@ def test_a_stale_engine_is_restarted_and_said_in_one_line(server, monkeypatch, c
     from replayer.execution.warm import client as warm_client
 
     monkeypatch.setenv("PREFIX_REPLAYER_RUNTIME_DIR", str(server.root))
+    client = make_client("installed", own_process=True)
+    client(load_target(TURNS))          # this environment's engine is warm, whatever ran before
+    capfd.readouterr()
     real = warm_client.engine_fingerprint
     monkeypatch.setattr(warm_client, "engine_fingerprint",
                         lambda engine: {**real(engine), "vllm": "changed"})
-    client = make_client("installed", own_process=True)
     result = client(load_target(TURNS))
     assert result.by_id()["turn2"].num_cached_tokens == 24448
     err = capfd.readouterr().err.splitlines()
