@@ -145,7 +145,7 @@ class EngineProcess:
             raise EngineError(f"{self.info.label}: the engine process is closed")
         try:
             send(self._proc.stdin, Job(trace, store, None if record_dir is None
-                                       else str(record_dir), shortcuts))
+                                       else str(record_dir), shortcuts, progress is not None))
         except BrokenPipeError:
             pass                                    # reported below, with the exit code
         try:

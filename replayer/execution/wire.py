@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import pickle
 import struct
-import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 _HEADER = struct.Struct("<Q")
-# Seconds between two progress frames of one replay (the last one is always sent).
-PROGRESS_EVERY = 0.1
 
 
 @dataclass(frozen=True)
@@ -30,6 +27,10 @@ class Job:
     store: Any = None
     record_dir: str | None = None
     shortcuts: bool = True
+    # Whether the caller takes progress: a frame for every engine step (callers
+    # use it as a per-step hook), or none at all (explain's parallel replays:
+    # a frame per step kept the client busy beside two forks on 2 cores).
+    progress: bool = True
 
 
 def encode(obj: Any) -> bytes:
@@ -139,22 +140,12 @@ def answer_frames(replay: Any, job: Job, answers: BinaryIO) -> None:
         bad_input += (StoreError,)
     except ImportError:  # pragma: no cover - the store package is optional here
         pass
-    last = [0.0]
-    held: list[Any] = []            # the newest progress not sent yet
 
     def progress(p: Any) -> None:
-        # At most one frame per PROGRESS_EVERY seconds: a frame per engine step
-        # kept the client busy on a machine whose cores the replays need.
-        held[:] = [p]
-        now = time.monotonic()
-        if now - last[0] >= PROGRESS_EVERY:
-            last[0] = now
-            send(answers, ("progress", held.pop()))
+        send(answers, ("progress", p))
 
     try:
-        result = replay(job, progress)
-        if held:                    # the final state, so a progress bar ends at it
-            send(answers, ("progress", held.pop()))
+        result = replay(job, progress if job.progress else None)
         send(answers, ("result", result))
     except bad_input as exc:
         send(answers, ("error", type(exc).__name__, str(exc)))

@@ -94,7 +94,8 @@ class WarmClient:
                  store: Any = None, record_dir: str | None = None,
                  shortcuts: bool = True) -> Any:
         check_supported(self.info.vllm, trace.engine, self.info.label)
-        job = Job(trace, store, None if record_dir is None else str(record_dir), shortcuts)
+        job = Job(trace, store, None if record_dir is None else str(record_dir), shortcuts,
+                  progress is not None)
         if self._cold is None:
             try:
                 result = self._warm(job, progress)
