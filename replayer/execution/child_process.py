@@ -74,8 +74,8 @@ def engine_env(engine: ResolvedEngine, overlay: Path,
                base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a process that imports ``engine``: this one's over
     ``env_defaults``, the interpreter hash seed pinned, the overlay and this
-    checkout first on ``PYTHONPATH``, a release's own vLLM cache root. ``base``: the environment to start from
-    (this process's by default)."""
+    checkout first on ``PYTHONPATH``, a release's own vLLM cache root.
+    ``base``: the environment to start from (this process's by default)."""
     env = {**(env_defaults or {}), **(os.environ if base is None else base)}
     env["PYTHONHASHSEED"] = INTERPRETER_SEED
     paths = [str(overlay), str(REPO_ROOT)]
