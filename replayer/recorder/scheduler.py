@@ -32,6 +32,8 @@ calls so far, the replayer's clock):
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -45,13 +47,28 @@ from .header import recorded_header
 from .session import SchedulerSession, check_release, record_dir, write_header
 
 
+_RANDOM_SUFFIX = re.compile(r"^(?P<external>.+)-[0-9a-f]{8}$")
+
+
+def external_id(request_id: str) -> str | None:
+    """The id the front end gave vLLM, which names the client's response: vLLM's
+    ``InputProcessor.assign_request_id`` (0.29-0.33) appends ``-`` and 8 random hex
+    characters to it unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION`` is set. None
+    when the id does not have that form (a request added to the engine directly)."""
+    if os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0") not in ("", "0"):
+        return request_id
+    m = _RANDOM_SUFFIX.match(request_id)
+    return m.group("external") if m else None
+
+
 class SchedulerRecorder:
     """Turns scheduler calls into rows; holds only requests still alive."""
 
     def __init__(self, out: str, vllm_config: Any, kv_cache_config: Any) -> None:
         import vllm
 
-        adapter = check_release(vllm.__version__)
+        adapter = check_release(vllm.__version__,
+                                connector=vllm_config.kv_transfer_config is not None)
         self.session = SchedulerSession(out)
         write_header(self.session.out, recorded_header(vllm_config, kv_cache_config, adapter))
         self.session.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0)
@@ -87,7 +104,8 @@ class SchedulerRecorder:
             # are still in the CPU cache: later the same packing costs 2-3x more.
             "prompt_tokens": pack_tokens(prompt), "output_len": request.max_tokens,
             "cache_salt": request.cache_salt, "lora_name": lora.lora_name if lora else None,
-            "priority": request.priority or None, "arrival_order": self._order},
+            "priority": request.priority or None, "arrival_order": self._order,
+            "external_id": external_id(rid)},
             weight=1 + n_prompt)
         self._order += 1
         self.session.add_boundaries(rid, request.block_hashes)

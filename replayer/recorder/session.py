@@ -21,7 +21,7 @@ from traces.atomic import write_atomic
 from traces.trace import header_json
 from traces.writer import PartWriter, RecordingError, close_all
 
-from .releases import RECORD_ENV, RECORDER_RELEASES, check_release  # noqa: F401 (re-exported)
+from .releases import RECORD_ENV, check_release, log  # noqa: F401 (re-exported)
 
 # Seconds a row may wait in memory before its part is written: what a kill
 # can lose (default traces.writer.DEFAULT_MAX_SECONDS).
@@ -105,6 +105,7 @@ class SchedulerSession:
             _SCHEDULERS[str(self.out.resolve())] = self
         atexit.register(self.close)
         self._closed = False
+        log.info("prefix-replayer recorder: recording to %s", self.out.resolve())
 
     def add_table(self, table: schema.Table) -> PartWriter:
         """A table only some recordings have (``kv_events``), written like the others."""
@@ -129,6 +130,9 @@ class SchedulerSession:
         finally:
             with _LOCK:
                 _SCHEDULERS.pop(str(self.out.resolve()), None)
+        parts = sum(1 for _ in self.out.glob("*/*.parquet"))
+        log.info("prefix-replayer recorder: stopped at step %d; %d part(s) in %s",
+                 self.step, parts, self.out.resolve())
 
 
 def scheduler_session(out: str) -> SchedulerSession | None:

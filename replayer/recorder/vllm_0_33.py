@@ -1,4 +1,4 @@
-"""Recorder adapter for vLLM 0.33.x: the release the hooks were first written for.
+"""Recorder adapter for vLLM 0.33 and later: the release the hooks were first written for.
 
 Speculative decoding is recorded as the config says, lookahead block hashes
 included (0.33 added them and the flag that turns them off); the
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-RECORDS_CONNECTOR = True
+# The names this adapter reads beyond the shared ones (.hooks).
+HOOKS = ("vllm.config:SpeculativeConfig.disable_lookahead_block_hashes",)
 
 
 def speculative_block(spec: Any) -> dict[str, Any]:
