@@ -15,16 +15,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO
 
 from traces.trace import read_trace
-
-SERVE_VENV = REPO / ".venv-serve"
-IN_CI = os.environ.get("CI", "").lower() == "true"
 
 pytestmark = pytest.mark.live_server
 
@@ -42,16 +38,6 @@ def run(*args: object, timeout: float = 900) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def serve_venv() -> Path:
-    if not (SERVE_VENV / ".installed").exists():
-        msg = f"{SERVE_VENV} is not built (make serve-venv)"
-        if IN_CI:
-            pytest.fail(msg + ": the live-server tests must run in CI")
-        pytest.skip(msg)
-    return SERVE_VENV
-
-
 @pytest.mark.parametrize("config", list(STREAMS))
 def test_live_recording_agrees_three_ways_on_every_request(serve_venv, tmp_path, config):
     out = tmp_path / config
@@ -60,6 +46,12 @@ def test_live_recording_agrees_three_ways_on_every_request(serve_venv, tmp_path,
     assert proc.returncode == 0, f"recording {config} failed:\n{proc.stdout}\n{proc.stderr}"
     print(proc.stdout)
 
+    # The server's own log says where it records, and how much it wrote at the stop.
+    log = (tmp_path / f"{config}.serve.log").read_text()
+    assert f"prefix-replayer recorder: recording to {out.resolve()}" in log
+    parts = sum(1 for _ in out.glob("*/*.parquet"))
+    assert f"; {parts} part(s) in {out.resolve()}" in log, log[-3000:]
+
     header = json.loads((out / "header.json").read_text())
     assert header["source"]["kind"] == "recorded"
     assert header["source"]["vllm"].endswith("+cpu")
@@ -67,6 +59,9 @@ def test_live_recording_agrees_three_ways_on_every_request(serve_venv, tmp_path,
     client = pq.read_table(out / "client.parquet").to_pylist()
     assert len(client) == trace.requests.num_rows == trace.outcomes.num_rows == STREAMS[config]
     assert all(r["cached_tokens"] is not None for r in client)
+    # Each trace row names the client's request: the front end's id beside vLLM's.
+    assert sorted(trace.requests["external_id"].to_pylist()) == \
+        sorted(f"{r['response_id']}-0" for r in client)
     # concurrency > 1: some step scheduled more than one request
     per_step = trace.steps.group_by("step").aggregate([("id", "count")])
     assert max(per_step.column("id_count").to_pylist()) > 1

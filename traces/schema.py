@@ -61,6 +61,10 @@ REQUESTS = Table("requests", (
                "priority; null: 0"),
     Column("arrival_order", pa.int64(), required=False, nullable=True,
            doc="recorded traces: order of arrival (the reader sorts by it)"),
+    Column("external_id", pa.string(), required=False, nullable=True,
+           doc="recorded traces: the id vLLM's front end gave the request, before vLLM "
+               "appended its random suffix (`cmpl-<X-Request-Id>-<prompt index>` for "
+               "/v1/completions): what the client's response is named by"),
 ), required=True)
 
 # Recorded traces only, a folder of parts beside ``requests/``: a request's row

@@ -72,7 +72,7 @@ _SEQUENCES = (list, tuple, type({}.keys()), type({}.values()))
 # prompt_block_ids) stay out of recorded parts.
 RECORDED_COLUMNS = {"requests": ("id", "arrival_step", "num_prompt_tokens", "prompt_tokens",
                                  "output_len", "cache_salt", "lora_name", "priority",
-                                 "arrival_order")}
+                                 "arrival_order", "external_id")}
 
 
 def pack_tokens(tokens) -> bytes:

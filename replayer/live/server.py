@@ -51,9 +51,14 @@ def serve_command(cfg: ServeConfig, port: int, venv: Path = SERVE_VENV,
 
 
 def serve_env(out: Path) -> dict[str, str]:
-    return {**os.environ, "PREFIX_REPLAYER_RECORD_DIR": str(out), "PYTHONHASHSEED": "0",
-            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT),
-            "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"}
+    """The server's environment: the recorder on, and found as a user's server finds
+    it (the package pip installed into .venv-serve, not a PYTHONPATH), logging at
+    vLLM's default level (the recorder says where it records there)."""
+    env = {**os.environ, "PREFIX_REPLAYER_RECORD_DIR": str(out), "PYTHONHASHSEED": "0",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_LOGGING_LEVEL": "INFO"}
+    env.pop("PYTHONPATH", None)
+    return env
 
 
 def log_tail(log: Path, n: int = LOG_TAIL) -> str:
