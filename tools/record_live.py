@@ -1,6 +1,7 @@
 """Record a real ``vllm serve`` on this CPU with a real client, then check three-way agreement.
 
     tools/record_live.py record --config llama --out DIR [--requests N] [--concurrency 4]
+    tools/record_live.py store --config llama --out DIR
     tools/record_live.py agree DIR [--engine vllm==0.32.0]
 
 ``record`` starts ``vllm serve`` from ``.venv-serve`` (``make serve-venv``)
@@ -26,6 +27,7 @@ from replayer.live.agreement import agree  # noqa: E402
 from replayer.live.client import send_stream, write_client  # noqa: E402
 from replayer.live.configs import CONFIGS, config  # noqa: E402
 from replayer.live.server import LiveError, Server  # noqa: E402
+from replayer.live.store_plan import MASTER_KEYS_FILE, run_plan  # noqa: E402
 from replayer.live.stream import mooncake_stream  # noqa: E402
 
 
@@ -65,6 +67,28 @@ def record(args) -> int:
     return 0
 
 
+def store_cmd(args) -> int:
+    """vLLM #56615's plan with the MooncakeStore connector and a real master."""
+    cfg = config(args.config)
+    out = args.out.resolve()
+    if out.exists() and any(out.iterdir()):
+        print(f"record_live: {out}: exists and is not empty: record into a new directory",
+              file=sys.stderr)
+        return 2
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = args.log or out.parent / f"{out.name}.serve.log"
+    try:
+        rows = run_plan(cfg, out, log, args.port, args.ready_timeout)
+    except (LiveError, RuntimeError) as exc:
+        print(f"record_live: {exc}", file=sys.stderr)
+        return 1
+    keys = (out / MASTER_KEYS_FILE).read_text().split()
+    print(f"{cfg.name} + MooncakeStore: cached tokens per request "
+          f"{[r['cached_tokens'] for r in rows]}, {len(keys)} key(s) on the master; "
+          f"trace in {out}")
+    return 0
+
+
 def agree_cmd(args) -> int:
     result = agree(args.trace, args.engine)
     print(result.summary())
@@ -90,11 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     rec.add_argument("--port", type=int, default=8011)
     rec.add_argument("--ready-timeout", type=float, default=600)
     rec.add_argument("--log", type=Path, help="server log (default OUT.serve.log beside OUT)")
+    st = sub.add_parser("store", help="record vLLM #56615's plan (3 prompts, reset, again) "
+                                      "through the MooncakeStore connector and a real master")
+    st.add_argument("--config", required=True, choices=sorted(CONFIGS))
+    st.add_argument("--out", required=True, type=Path)
+    st.add_argument("--port", type=int, default=8011)
+    st.add_argument("--ready-timeout", type=float, default=600)
+    st.add_argument("--log", type=Path, help="server log (default OUT.serve.log beside OUT)")
     ag = sub.add_parser("agree", help="client vs recorder vs CPU replay, per request")
     ag.add_argument("trace", type=Path)
     ag.add_argument("--engine", default="vllm==0.32.0")
     args = ap.parse_args(argv)
-    return record(args) if args.cmd == "record" else agree_cmd(args)
+    return {"record": record, "store": store_cmd, "agree": agree_cmd}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .configs import ServeConfig
@@ -38,26 +38,37 @@ KV_EVENTS_ARGS = ("--kv-events-config",
 
 
 def serve_command(cfg: ServeConfig, port: int, venv: Path = SERVE_VENV,
-                  kv_events: bool = False) -> list[str]:
+                  kv_events: bool = False, record: bool = True,
+                  tokenizer: Path | None = None) -> list[str]:
+    """``record``: the recording scheduler (else vLLM's own); ``tokenizer``: a text
+    tokenizer's directory (:mod:`.tokenizer`; else token-id prompts only)."""
     extra = KV_EVENTS_ARGS if kv_events else ()
+    sched = ("--scheduler-cls", "replayer.recorder.scheduler.RecordingScheduler") \
+        if record else ()
+    text = ("--tokenizer", str(tokenizer)) if tokenizer else ("--skip-tokenizer-init",)
     return [str(venv / "bin" / "vllm"), "serve", str(cfg.model),
             "--served-model-name", SERVED_NAME, "--load-format", "dummy",
-            "--skip-tokenizer-init", "--dtype", "bfloat16", "--enforce-eager",
+            *text, "--dtype", "bfloat16", "--enforce-eager",
             "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
-            "--enable-prefix-caching", "--no-async-scheduling",
-            "--scheduler-cls", "replayer.recorder.scheduler.RecordingScheduler",
+            "--enable-prefix-caching", "--no-async-scheduling", *sched,
             "--max-model-len", str(cfg.max_model_len), "--seed", "0",
             "--shutdown-timeout", "60", *cfg.serve_args, *extra]
 
 
-def serve_env(out: Path) -> dict[str, str]:
-    """The server's environment: the recorder on, and found as a user's server finds
-    it (the package pip installed into .venv-serve, not a PYTHONPATH), logging at
-    vLLM's default level (the recorder says where it records there)."""
-    env = {**os.environ, "PREFIX_REPLAYER_RECORD_DIR": str(out), "PYTHONHASHSEED": "0",
+def serve_env(out: Path | None, flush_seconds: float | None = None) -> dict[str, str]:
+    """The server's environment: the recorder on when ``out`` is given, found as a
+    user's server finds it (the package pip installed into .venv-serve, not a
+    PYTHONPATH), logging at vLLM's default level (the recorder says where it
+    records there)."""
+    env = {**os.environ, "PYTHONHASHSEED": "0",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
            "VLLM_LOGGING_LEVEL": "INFO"}
     env.pop("PYTHONPATH", None)
+    env.pop("PREFIX_REPLAYER_RECORD_DIR", None)
+    if out is not None:
+        env["PREFIX_REPLAYER_RECORD_DIR"] = str(out)
+    if flush_seconds is not None:
+        env["PREFIX_REPLAYER_RECORD_FLUSH_SECONDS"] = str(flush_seconds)
     return env
 
 
@@ -78,6 +89,11 @@ class Server:
     proc: subprocess.Popen | None = None
     startup_s: float = 0.0
     kv_events: bool = False          # publish (and so record) vLLM's KV-cache events
+    record: bool = True              # False: vLLM's own scheduler, nothing recorded
+    tokenizer: Path | None = None    # a text tokenizer (text clients, `vllm bench serve`)
+    flush_seconds: float | None = None   # the recorder's flush interval (its default: None)
+    extra_args: tuple[str, ...] = ()     # more `vllm serve` arguments (a KV connector)
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -90,8 +106,11 @@ class Server:
         t0 = time.monotonic()
         with open(self.log, "w") as fh:
             self.proc = subprocess.Popen(serve_command(self.cfg, self.port, venv,
-                                                       self.kv_events),
-                                         env=serve_env(self.out), stdout=fh,
+                                                       self.kv_events, self.record,
+                                                       self.tokenizer) + list(self.extra_args),
+                                         env={**serve_env(self.out if self.record else None,
+                                                          self.flush_seconds), **self.extra_env},
+                                         stdout=fh,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
