@@ -31,18 +31,27 @@ from replayer.live.store_plan import MASTER_KEYS_FILE, run_plan  # noqa: E402
 from replayer.live.stream import mooncake_stream  # noqa: E402
 
 
-def record(args) -> int:
-    cfg = config(args.config)
+def new_recording(args) -> tuple[Path, Path] | None:
+    """(the trace directory, the server log) for ``--out``/``--log``; None (said on
+    stderr) when the directory holds something: each run records into a new one."""
     out = args.out.resolve()
     if out.exists() and any(out.iterdir()):
         print(f"record_live: {out}: exists and is not empty: record into a new directory",
               file=sys.stderr)
-        return 2
-    stream = mooncake_stream(args.requests or cfg.requests, cfg.tokens_per_block,
-                             min(cfg.max_prompt, cfg.max_model_len - cfg.max_tokens), cfg.max_tokens,
-                             start=args.start, time_scale=args.time_scale)
+        return None
     out.parent.mkdir(parents=True, exist_ok=True)
-    log = args.log or out.parent / f"{out.name}.serve.log"
+    return out, args.log or out.parent / f"{out.name}.serve.log"
+
+
+def record(args) -> int:
+    cfg = config(args.config)
+    where = new_recording(args)
+    if where is None:
+        return 2
+    out, log = where
+    stream = mooncake_stream(args.requests or cfg.requests, cfg.tokens_per_block,
+                             min(cfg.max_prompt, cfg.max_model_len - cfg.max_tokens),
+                             cfg.max_tokens, start=args.start, time_scale=args.time_scale)
     server = Server(cfg, out, log, args.port, kv_events=args.kv_events)
     try:
         server.start(args.ready_timeout)
@@ -70,13 +79,10 @@ def record(args) -> int:
 def store_cmd(args) -> int:
     """vLLM #56615's plan with the MooncakeStore connector and a real master."""
     cfg = config(args.config)
-    out = args.out.resolve()
-    if out.exists() and any(out.iterdir()):
-        print(f"record_live: {out}: exists and is not empty: record into a new directory",
-              file=sys.stderr)
+    where = new_recording(args)
+    if where is None:
         return 2
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log = args.log or out.parent / f"{out.name}.serve.log"
+    out, log = where
     try:
         rows = run_plan(cfg, out, log, args.port, args.ready_timeout)
     except (LiveError, RuntimeError) as exc:
