@@ -201,3 +201,45 @@ def test_live_store_recording_agrees_four_ways(serve_venv, tmp_path, config, fix
     assert [r["num_cached_tokens"] for r in committed.outcomes.to_pylist()] == \
         [r["num_cached_tokens"] for r in trace.outcomes.to_pylist()]
     assert {r["key"] for r in committed.store_ops.to_pylist() if r["op"] == "put"} == puts
+
+
+def test_a_full_disk_while_recording_stops_the_server_with_one_line(serve_venv, tmp_path):
+    """The trace directory on a 16 KiB tmpfs: the first flush that does not fit is
+    said once in the server's log, and the engine stops rather than serve on
+    unrecorded (the server exits); no half-written part is left."""
+    import threading
+    import time
+
+    from conftest import IN_CI
+    from replayer.live.client import send_stream
+    from replayer.live.configs import config
+    from replayer.live.server import Server
+    from replayer.live.stream import mooncake_stream
+
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("CI runs the live tests as root (a tmpfs is mounted here)")
+        pytest.skip("needs root to mount a 16 KiB tmpfs")
+    disk = tmp_path / "full"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)], check=True)
+    cfg = config("llama")
+    log = tmp_path / "full.serve.log"
+    server = Server(cfg, disk / "rec", log, 8132, flush_seconds=0.5)
+    try:
+        server.start()
+        stream = mooncake_stream(100, cfg.tokens_per_block, cfg.max_prompt, cfg.max_tokens)
+        threading.Thread(target=lambda: _ignore_errors(send_stream, server.base_url, stream, 4),
+                         daemon=True).start()
+        deadline = time.monotonic() + 300
+        while server.proc.poll() is None:
+            assert time.monotonic() < deadline, "the server kept serving on a full disk"
+            time.sleep(0.5)
+        text = log.read_text()
+        said = [ln for ln in text.splitlines() if "No space left on device" in ln
+                and "the recording is incomplete" in ln and "prefix-replayer recorder" in ln]
+        assert said, text[-3000:]
+        assert not list((disk / "rec").rglob("*.tmp")), "a half-written part was left"
+    finally:
+        server.kill()
+        subprocess.run(["umount", str(disk)], check=False)
