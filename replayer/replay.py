@@ -141,17 +141,28 @@ def store_json(report: dict[str, Any]) -> dict[str, Any]:
                     for op in sorted({r["op"] for r in rows})}}
 
 
-def recorded_accepted(trace: Trace) -> dict[tuple[int, str], int]:
-    """(step, request) -> drafts accepted in the recording's steps table, where known.
+def recorded_accepted(trace: Trace) -> dict[tuple[str, int], int]:
+    """(request, i) -> drafts accepted at the request's i-th verification (its i-th
+    step with drafts scheduled) in the recording's steps table, where known.
 
     Replay holds the null model to these, so a recording where drafts were
-    rejected replays the same schedule (the null model would accept all)."""
+    rejected replays the same schedule (the null model would accept all).
+    Counted per request, not by step number: a live request that waited a step
+    longer for an asynchronous store load verifies the same drafts later."""
     steps = trace.steps
     if steps is None or "num_accepted_tokens" not in steps.column_names:
         return {}
-    return {(s, rid): a for s, rid, a in zip(steps["step"].to_pylist(), steps["id"].to_pylist(),
-                                              steps["num_accepted_tokens"].to_pylist())
-            if a is not None}
+    rows = sorted(zip(steps["step"].to_pylist(), steps["id"].to_pylist(),
+                      steps["num_accepted_tokens"].to_pylist()), key=lambda r: r[0])
+    seen: dict[str, int] = {}
+    accepted: dict[tuple[str, int], int] = {}
+    for _, rid, a in rows:
+        if a is None:                    # no drafts verified in this step
+            continue
+        i = seen.get(rid, 0)
+        seen[rid] = i + 1
+        accepted[(rid, i)] = a
+    return accepted
 
 
 def refuse_unsupported(trace: Trace) -> None:

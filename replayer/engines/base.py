@@ -137,8 +137,8 @@ class EngineAdapter(ABC):
     def close(self) -> None: ...
 
     # -- capabilities, with the defaults of an adapter that lacks them ----------
-    def hold_accepted(self, accepted: dict[tuple[int, str], int]) -> None:
-        """Accept only as many drafts per (step, request) as a recording did."""
+    def hold_accepted(self, accepted: dict[tuple[str, int], int]) -> None:
+        """Accept only as many drafts per (request, i-th verification) as a recording did."""
         raise NotImplementedError(f"{type(self).__name__} cannot hold drafts to a recording")
 
     def store_report(self) -> dict[str, Any] | None:

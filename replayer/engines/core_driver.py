@@ -350,7 +350,8 @@ class CoreEngine(EngineAdapter):
         self.config = config
         self._step = 0
         # (step, request id) -> drafts accepted, from a recorded steps table.
-        self._accepted: dict[tuple[int, str], int] | None = None
+        self._accepted: dict[tuple[str, int], int] | None = None
+        self._verified: dict[str, int] = {}      # request -> steps with drafts verified
         token = _BUILDING.set(self)
         try:
             # log_stats off: vLLM's per-step SchedulerStats, prefix-cache and
@@ -423,8 +424,10 @@ class CoreEngine(EngineAdapter):
             if req.num_computed_tokens >= req.num_tokens:
                 n = req.num_output_tokens
                 k = 1 + len(spec.get(rid, ()))
-                if self._accepted is not None:
-                    k = 1 + min(k - 1, self._accepted.get((self._step - 1, rid), k - 1))
+                if self._accepted is not None and k > 1:
+                    i = self._verified.get(rid, 0)
+                    self._verified[rid] = i + 1
+                    k = 1 + min(k - 1, self._accepted.get((rid, i), k - 1))
                 sampled.append(self._outputs[rid][n:n + k])
                 self._sampled.append(rid)
             else:
@@ -492,9 +495,12 @@ class CoreEngine(EngineAdapter):
         """The KV-cache events vLLM published, one row per block (None: events off)."""
         return None if self._kv_events is None else self._kv_events.as_dicts()
 
-    def hold_accepted(self, accepted: dict[tuple[int, str], int]) -> None:
-        """Accept only as many drafts per step as the recording did (its steps table)."""
+    def hold_accepted(self, accepted: dict[tuple[str, int], int]) -> None:
+        """Accept only as many drafts per verification as the recording did (its steps
+        table): the i-th step in which a request has drafts scheduled gets the
+        recording's i-th."""
         self._accepted = accepted
+        self._verified = {}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_requests()
