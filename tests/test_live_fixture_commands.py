@@ -47,17 +47,17 @@ LIVE = {path.name: path for path in sorted(TRACES.glob("live_*"))}
 # so the replay must come out the same (asserted).
 WHAT_IF_BLOCKS = {"live_llama": 1500, "live_eagle": 150,
                   "live_qwen3_next": 48, "live_qwen3_next_kv_events": 48,
-                  "live_store_llama": 129, "live_store_qwen3_next": 16}
-STORE_BACKED = {"live_store_llama", "live_store_qwen3_next"}
+                  "live_store_eagle": 129, "live_store_llama": 129, "live_store_qwen3_next": 16}
+STORE_BACKED = {"live_store_eagle", "live_store_llama", "live_store_qwen3_next"}
 
 CALL_TIMEOUT = 900
 
 
-def test_the_live_fixtures_are_the_six_recordings():
+def test_the_live_fixtures_are_the_seven_recordings():
     """A new recording must be added to WHAT_IF_BLOCKS (and so to every test here)."""
     assert sorted(LIVE) == sorted(WHAT_IF_BLOCKS) == [
         "live_eagle", "live_llama", "live_qwen3_next", "live_qwen3_next_kv_events",
-        "live_store_llama", "live_store_qwen3_next"]
+        "live_store_eagle", "live_store_llama", "live_store_qwen3_next"]
 
 
 def _cli_many(calls: dict[str, tuple]) -> dict[str, subprocess.CompletedProcess]:

@@ -164,6 +164,7 @@ def _flushed_outcomes(out: Path) -> int:
 
 
 @pytest.mark.parametrize("config, fixture", [("llama", "live_store_llama"),
+                                             ("eagle", "live_store_eagle"),
                                              ("qwen3-next", "live_store_qwen3_next")])
 def test_live_store_recording_agrees_four_ways(serve_venv, tmp_path, config, fixture):
     """vLLM #56615's plan on a real server with the MooncakeStore connector and a real
