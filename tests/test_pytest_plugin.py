@@ -94,7 +94,11 @@ def test_markers_come_from_the_target():
                       "--replayer-store", "mooncake", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     selected = sorted(line for line in proc.stdout.splitlines() if "::" in line)
-    assert selected == sorted(f"fixtures/store/{p.name}::installed" for p in STORE.glob("*.yaml"))
+    # Every target with a store connector: the store scenarios and the live store recordings.
+    assert selected == sorted(
+        [f"fixtures/store/{p.name}::installed" for p in STORE.glob("*.yaml")]
+        + [f"fixtures/traces/{p.name}::installed"
+           for p in (REPO / "fixtures" / "traces").glob("live_store_*")])
     # On the memory store nothing needs a master.
     proc = run_pytest("--collect-only", "-q", "fixtures/", "-m", "real_master", cwd=REPO)
     assert proc.returncode == 5, proc.stdout          # pytest: no tests collected
