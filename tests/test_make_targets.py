@@ -7,15 +7,20 @@ packages and every extra the suite uses.
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 from conftest import REPO
 
 
 def dry_run(target: str, tmp_path) -> list[str]:
-    proc = subprocess.run(["make", "-n", target, f"VENV={tmp_path}/venv",
-                           f"SERVE_VENV={tmp_path}/serve"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    # Under `make test` this runs inside make: its MAKEFLAGS/MAKELEVEL would make
+    # the inner make print "Entering/Leaving directory" lines.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target,
+                           f"VENV={tmp_path}/venv", f"SERVE_VENV={tmp_path}/serve"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
