@@ -23,5 +23,6 @@ def test_bad_arguments_exit_2_in_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("usage: python -m replayer.live.tokenizer")
     assert main([str(tmp_path), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err == f"{tmp_path}: no config.json (a model directory, e.g. replayer/models/tiny-llama)\n"
+    assert err == (f"{tmp_path}: no config.json (a model directory, "
+                   "e.g. replayer/models/tiny-llama)\n")
     assert not (tmp_path / "out").exists()
