@@ -126,7 +126,9 @@ def test_a_server_killed_with_kill_9_leaves_a_trace_that_reads_and_replays(serve
                                                                 stream, 4), daemon=True)
         sender.start()
         deadline = time.monotonic() + 300
-        while _flushed_outcomes(out) < 30:        # well into the stream, requests in flight
+        # Well into the stream, requests in flight. Each table flushes on its own
+        # clock, so wait for both: outcomes alone can be ahead of requests.
+        while min(_flushed_rows(out, "requests"), _flushed_rows(out, "outcomes")) < 30:
             assert sender.is_alive(), "the stream ended before the kill"
             assert time.monotonic() < deadline, "no outcomes flushed within 300 s"
             time.sleep(0.2)
@@ -158,8 +160,8 @@ def _ignore_errors(fn, *args):
         pass
 
 
-def _flushed_outcomes(out: Path) -> int:
-    parts = list((out / "outcomes").glob("part-*.parquet")) if (out / "outcomes").is_dir() else []
+def _flushed_rows(out: Path, table: str) -> int:
+    parts = list((out / table).glob("part-*.parquet")) if (out / table).is_dir() else []
     return sum(pq.read_metadata(p).num_rows for p in parts)
 
 
