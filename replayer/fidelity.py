@@ -52,11 +52,12 @@ def _op_outcome(row: tuple) -> tuple:
     """A store op as compared: a get's result is the bytes it read, which depend on
     the model's KV layout; the replay's null model (a seam) has KV tensors of its
     own size, so a get is compared by what it did (read: 1, nothing: 0, an error
-    code: itself), every other op by its result; keys without the model's name."""
-    op, key, group, result = row
+    code: itself), every other op by its result; keys without the model's name;
+    each on the worker rank that did it (a recording before ranks: rank 0)."""
+    op, key, group, result, rank = row
     if op == "get" and result is not None and result > 0:
         result = 1
-    return (op, _keyed_by_rest(key), group, result)
+    return (op, _keyed_by_rest(key), group, result, rank or 0)
 
 
 def _keyed_by_rest(key: str | None) -> str | None:
@@ -119,17 +120,19 @@ def compare(recorded: Trace, fresh: Trace) -> list[str]:
                          f"row {first}: recorded {x}, replayed {y}")
     diffs += _compare_kv_events(recorded, fresh)
     if recorded.store_ops is not None:
-        ocols = ("op", "key", "group", "result")
+        ocols = ("op", "key", "group", "result", "rank")
         keep = lambda rows: Counter(_op_outcome(r) for r in rows  # noqa: E731
                                     if r[0] in STORE_OPS_COMPARED)
         a, b = keep(_rows(recorded.store_ops, ocols)), keep(_rows(fresh.store_ops, ocols))
         if (recorded.header.get("source") or {}).get("anonymized"):
-            a = Counter((op, g, r) for (op, _, g, r), n in a.items() for _ in range(n))
-            b = Counter((op, g, r) for (op, _, g, r), n in b.items() for _ in range(n))
+            a = Counter((op, g, r, k) for (op, _, g, r, k), n in a.items() for _ in range(n))
+            b = Counter((op, g, r, k) for (op, _, g, r, k), n in b.items() for _ in range(n))
         for row, n in sorted((a - b).items(), key=str)[:MAX_LINES]:
-            diffs.append(f"store: recorded {row[0]} {row[1:]} x{n} not in the replay")
+            diffs.append(f"store: recorded {row[0]} {row[1:-1]} x{n} on rank {row[-1]} "
+                         "not in the replay")
         for row, n in sorted((b - a).items(), key=str)[:MAX_LINES]:
-            diffs.append(f"store: replayed {row[0]} {row[1:]} x{n} not in the recording")
+            diffs.append(f"store: replayed {row[0]} {row[1:-1]} x{n} on rank {row[-1]} "
+                         "not in the recording")
     return diffs
 
 

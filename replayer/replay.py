@@ -177,8 +177,9 @@ def refuse_unsupported(trace: Trace) -> None:
 
 
 def run_targeted(engine: EngineAdapter, ev: Event, clock: int, arrived: bool | None) -> None:
-    """An ``evict`` of cached GPU blocks or a ``store_remove`` of store keys; an
-    event that would touch nothing is an error, never a silent pass."""
+    """An ``evict`` of cached GPU blocks, a ``store_remove`` of store keys, or a
+    ``store_fault`` armed; an event that would touch nothing is an error, never a
+    silent pass (a fault that never fires is reported with the replay)."""
     from .engines.base import UnsupportedByEngine
     from .store import StoreError
 
@@ -196,6 +197,8 @@ def run_targeted(engine: EngineAdapter, ev: Event, clock: int, arrived: bool | N
                     None if ev.target is None else f"request {ev.target!r}",
                     None if ev.group is None else f"group {ev.group}") if x)
                 raise ReplayError(f"{head}: no cached block of {what} to evict")
+        elif ev.action == "store_fault":
+            engine.store_fault(ev.op, ev.keys, ev.code, ev.times)
         else:
             engine.store_remove(ev.keys)
     except (UnsupportedByEngine, StoreError) as exc:
@@ -295,7 +298,7 @@ def replay(trace: Trace, engine: EngineAdapter,
                 res = pending[row]
                 res.aborted = True
                 res.finish_step = clock
-        elif ev.action in ("evict", "store_remove"):
+        elif ev.action in ("evict", "store_remove", "store_fault"):
             run_targeted(engine, ev, clock,
                          arrived=None if ev.target is None else bool(arrived[target_row[ev.target]]))
         else:  # validated when the trace was read

@@ -13,9 +13,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
+
+
+# A store key by meaning: (first request, group, boundary, rank); None matches any.
+KeySelector = tuple[str, Optional[int], Optional[int], Optional[int]]
 
 
 @dataclass(frozen=True)
@@ -26,13 +30,17 @@ class Event:
     target: str | None
     why: str
     group: int | None = None          # evict: a KV-cache group
-    keys: tuple[tuple[str, int | None, int | None], ...] = ()   # store_remove: by meaning
+    keys: tuple[KeySelector, ...] = ()   # store_remove, store_fault: keys by meaning
+    op: str | None = None             # store_fault: the op that fails, its code, how often
+    code: int | None = None
+    times: int | None = None
 
     @classmethod
     def of(cls, row: dict[str, Any], why: str) -> "Event":
-        keys = tuple((k["request"], k.get("group"), k.get("boundary"))
+        keys = tuple((k["request"], k.get("group"), k.get("boundary"), k.get("rank"))
                      for k in row.get("keys") or ())
-        return cls(row["action"], row.get("target"), why, row.get("group"), keys)
+        return cls(row["action"], row.get("target"), why, row.get("group"), keys,
+                   row.get("op"), row.get("code"), row.get("times"))
 
 
 class Schedule:

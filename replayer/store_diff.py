@@ -5,6 +5,8 @@ Keys are compared by meaning, as store goldens name them
 holds the prefix, the KV-cache group, the token boundary. So two engines
 whose hashes differ (another hash seed, another release) still compare key for
 key, and a key written by one side only reads ``group 1 @ 7296 (p7449)``.
+Where either side ran more than one worker rank, keys compare rank by rank
+(``group 1 @ 7296 (p7449) on rank 1``): one rank's lost shard is a difference.
 Lookups compare by request: the hit length the store answered (the first
 lookup of each request, the one that decided its hit).
 """
@@ -24,12 +26,17 @@ class StoreKey:
     request: str
     group: int
     boundary: int
+    rank: int | None = None          # None: compared over all ranks (one rank each side)
 
     def describe(self) -> str:
-        return f"group {self.group} @ {self.boundary} ({self.request})"
+        on = "" if self.rank is None else f" on rank {self.rank}"
+        return f"group {self.group} @ {self.boundary} ({self.request}){on}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"request": self.request, "group": self.group, "boundary": self.boundary}
+        out = {"request": self.request, "group": self.group, "boundary": self.boundary}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
 
 
 @dataclass(frozen=True)
@@ -80,8 +87,15 @@ def compare_stores(a: dict[str, Any] | None, b: dict[str, Any] | None) -> StoreD
     only_a: list[StoreKey] = []
     only_b: list[StoreKey] = []
     # compare_store reads A as the expectation: "missing" is A's only, "extra" B's.
-    for m in compare_store({"puts": na["puts"]}, {"puts": nb["puts"]}):
-        key = StoreKey(m.request, int(m.group or 0), int(m.boundary or 0))
+    if "ranks" in na or "ranks" in nb:
+        ranks_a, ranks_b = na.get("ranks") or {0: na}, nb.get("ranks") or {0: nb}
+        expect = {"puts": {}, "ranks": {r: {"puts": ranks_a.get(r, {}).get("puts", {})}
+                                        for r in sorted(set(ranks_a) | set(ranks_b))}}
+        actual = {"puts": {}, "ranks": ranks_b}
+    else:
+        expect, actual = {"puts": na["puts"]}, {"puts": nb["puts"]}
+    for m in compare_store(expect, actual):
+        key = StoreKey(m.request, int(m.group or 0), int(m.boundary or 0), m.rank)
         (only_a if m.what == "missing put" else only_b).append(key)
     hits_a, hits_b = na["lookups"], nb["lookups"]
     order = list(hits_a) + [r for r in hits_b if r not in hits_a]

@@ -180,9 +180,9 @@ def test_finishes_fold_into_requests_and_running_ones_end_with_the_recording(tmp
     assert trace.requests["output_tokens"].to_pylist() == [[7, 8], None, None]
     assert trace.events.to_pylist() == [
         {"after": None, "at_step": 8, "action": "abort", "target": "r1", "group": None,
-         "keys": None},
+         "keys": None, "op": None, "code": None, "times": None},
         {"after": None, "at_step": 8, "action": "abort", "target": "r2", "group": None,
-         "keys": None}]
+         "keys": None, "op": None, "code": None, "times": None}]
     assert any("2 request(s) still running" in n and "step 8" in n for n in trace.notes)
     assert any("1 finish row(s)" in n for n in trace.notes)
     proc = cli("info", out)

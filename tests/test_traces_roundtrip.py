@@ -42,7 +42,7 @@ def test_scenario_round_trip(tmp_path):
     assert back.requests["cache_salt"].to_pylist() == [None, "salty", None]
     assert back.events.to_pylist() == [
         {"after": "a", "at_step": None, "action": "reset_prefix_cache", "target": None,
-         "group": None, "keys": None}]
+         "group": None, "keys": None, "op": None, "code": None, "times": None}]
     assert back.header["schema_version"] == SCHEMA_VERSION
     assert back.header["source"] == {"kind": "authored", "from": "s.yaml"}
     assert back.header["description"] == "small round-trip scenario"

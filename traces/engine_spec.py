@@ -134,8 +134,9 @@ class EngineBlock:
     scheduling_policy: str = field(default="fcfs", metadata=_doc(
         "SchedulerConfig.policy: fcfs (default) or priority", str))
     tensor_parallel_size: int = field(default=1, metadata=_doc(
-        "ParallelConfig.tensor_parallel_size (default 1): only what the scheduler sees; "
-        "a multiple of decode_context_parallel_size", int))
+        "ParallelConfig.tensor_parallel_size (default 1): what the scheduler sees, and "
+        "with a connector one store worker per rank; a multiple of "
+        "decode_context_parallel_size", int))
     decode_context_parallel_size: int = field(default=1, metadata=_doc(
         "ParallelConfig.decode_context_parallel_size (default 1): DCP shards the KV "
         "blocks over this many ranks, so vLLM scales the scheduler block and hit "
@@ -146,6 +147,10 @@ class EngineBlock:
         "KV connector: mooncake_store; None: none", str, type(None)))
     connector_config: Mapping[str, Any] = field(default_factory=dict, hash=False, metadata=_doc(
         "the connector's extra config, by vLLM's names", dict))
+    kv_load_failure_policy: str | None = field(default=None, metadata=_doc(
+        "KVTransferConfig.kv_load_failure_policy: fail (vLLM's default: a request whose "
+        "store load fails ends with an error) or recompute (its failed blocks are "
+        "computed again); needs connector", str, type(None)))
     # What the header or scenario said, normalised: to_header() gives it back.
     given: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False,
                                      hash=False)
@@ -242,6 +247,7 @@ def _accepted_budgets(block: EngineBlock, max_len: int) -> tuple[dict[str, int],
     return out, said
 
 
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 ENGINE_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(EngineBlock)
                                if f.name not in ("given", "chosen")}
 SPECULATIVE_KEYS = tuple(f.name for f in fields(Speculative))
@@ -365,8 +371,12 @@ def _build(where: str, raw: Any) -> EngineBlock:
                 "engine.{key} {value!r} is not supported (known: {known})")
     _choice(where, "scheduling_policy", raw.get("scheduling_policy", "fcfs"),
             SCHEDULING_POLICIES, "engine.{key} {value!r}: expected one of {known}")
-    if "connector_config" in raw and not raw.get("connector"):
-        raise TraceError(where, "engine.connector_config needs engine.connector")
+    for key in ("connector_config", "kv_load_failure_policy"):
+        if key in raw and not raw.get("connector"):
+            raise TraceError(where, f"engine.{key} needs engine.connector")
+    if raw.get("kv_load_failure_policy") is not None:
+        _choice(where, "kv_load_failure_policy", raw["kv_load_failure_policy"],
+                KV_LOAD_FAILURE_POLICIES, "engine.{key} must be one of {known}, got {value!r}")
     reject_unknown_keys(where, "engine.connector_config", raw.get("connector_config") or {},
                         CONNECTOR_CONFIG_KEYS)
     if raw.get("tensor_parallel_size", 1) % raw.get("decode_context_parallel_size", 1):

@@ -52,7 +52,8 @@ class RequestGoldens(GoldenKind):
                 if k not in EXPECT_FIELDS:
                     raise TraceError(path, f"unknown key {k!r} in expect.{rid} "
                                            f"(known: {', '.join(EXPECT_FIELDS)})")
-                require_int(path, f"expect.{rid}.{k}", v, 0)
+                if v is not None:        # null: never prefilled (aborted, or its load failed)
+                    require_int(path, f"expect.{rid}.{k}", v, 0)
             out[rid] = dict(fields)
         return out
 

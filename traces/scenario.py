@@ -126,10 +126,11 @@ def compile_scenario(path: str | Path) -> Trace:
             arrays[name] = pa.array(values, type=col.type)
     requests = pa.table(arrays, schema=spec.arrow_schema(set(cols)))
     events = _events(path, data.get("events"), set(cols["id"]))
-    if events is not None and "store_remove" in events["action"].to_pylist() \
-            and not engine.connector:
-        i = events["action"].to_pylist().index("store_remove")
-        raise TraceError(path, f"events[{i}]: store_remove needs engine.connector")
+    if events is not None and not engine.connector:
+        actions = events["action"].to_pylist()
+        for i, action in enumerate(actions):
+            if action in ("store_remove", "store_fault"):
+                raise TraceError(path, f"events[{i}]: {action} needs engine.connector")
     header = {
         "schema_version": schema.SCHEMA_VERSION,
         "engine": engine,

@@ -22,6 +22,8 @@ class Column:
     required: bool = True      # must be present in the file
     nullable: bool = False     # may hold nulls
     doc: str = ""
+    # Types earlier versions wrote, still read as they are (readers .get() new fields).
+    older: tuple[pa.DataType, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,15 +82,24 @@ EVENTS = Table("events", (
     Column("after", pa.string(), nullable=True, doc="runs once this request finished"),
     Column("at_step", pa.int64(), nullable=True, doc="runs before this engine step"),
     Column("action", pa.string(),
-           doc="reset_prefix_cache | abort | evict | store_remove (traces/events.py)"),
+           doc="reset_prefix_cache | abort | evict | store_remove | store_fault "
+               "(traces/events.py)"),
     Column("target", pa.string(), required=False, nullable=True,
            doc="request id an abort or evict applies to"),
     Column("group", pa.int64(), required=False, nullable=True,
            doc="evict: vLLM's KV-cache group index"),
     Column("keys", pa.list_(pa.struct([("request", pa.string()), ("group", pa.int64()),
-                                       ("boundary", pa.int64())])),
+                                       ("boundary", pa.int64()), ("rank", pa.int64())])),
            required=False, nullable=True,
-           doc="store_remove: keys by meaning (null group/boundary: any)"),
+           doc="store_remove, store_fault: keys by meaning (null group/boundary/rank: any)",
+           older=(pa.list_(pa.struct([("request", pa.string()), ("group", pa.int64()),
+                                      ("boundary", pa.int64())])),)),
+    Column("op", pa.string(), required=False, nullable=True,
+           doc="store_fault: the store op that fails (put | get | exists | lookup)"),
+    Column("code", pa.int64(), required=False, nullable=True,
+           doc="store_fault: the Mooncake error code it returns (traces/store_codes.py)"),
+    Column("times", pa.int64(), required=False, nullable=True,
+           doc="store_fault: how many matching keys fail (then it is spent)"),
 ))
 
 OUTCOMES = Table("outcomes", (
@@ -157,7 +168,7 @@ KV_EVENTS = Table("kv_events", (
 
 TABLES = {t.name: t for t in (REQUESTS, EVENTS, OUTCOMES, STEPS, STORE_OPS, KV_EVENTS)}
 
-EVENT_ACTIONS = ("reset_prefix_cache", "abort", "evict", "store_remove")
+EVENT_ACTIONS = ("reset_prefix_cache", "abort", "evict", "store_remove", "store_fault")
 
 # Store goldens: which keys each request's prefix got written under, by group
 # and token boundary, and what each lookup hit. One table per engine.
@@ -166,7 +177,10 @@ GOLDEN_STORE = Table("golden_store", (
     Column("request", pa.string(), doc="put: the key's first request; get: the loader"),
     Column("group", pa.int64(), nullable=True),
     Column("boundary", pa.int64(), nullable=True, doc="put: token boundary of the key"),
-    Column("hit_length", pa.int64(), nullable=True, doc="lookup: tokens the store had"),
+    Column("hit_length", pa.int64(), nullable=True,
+           doc="lookup: tokens the store had (null: never looked up)"),
+    Column("rank", pa.int64(), required=False, nullable=True,
+           doc="put/get: the worker rank whose own keys these are (null: all ranks')"),
 ))
 
 # KV-event goldens: per section (stored, skipped, removed) one row per first

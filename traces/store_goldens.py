@@ -13,6 +13,14 @@ keeps its first lookup (the one that decided its hit). ``puts`` and ``gets``
 are checked only where the golden has them. In a scenario:
 ``expect_store: {puts: {...}, gets: {...}, lookups: {...}}``; in a trace
 directory: ``golden/store-vllm-X.parquet``.
+
+Ranks: ``puts`` and ``gets`` hold what every worker rank wrote and fetched
+together (keys by meaning; at one rank, that rank's). With more than one rank a
+replay also files each rank's own under ``ranks: {R: {puts, gets}}``, checked
+rank by rank where the golden has that rank, so a shard one rank lost shows
+as ``missing put ... on rank 1``. A lookup given as ``null`` asserts that the
+request was never looked up; ``match: subset`` checks that the golden's keys
+are there and lets others be (a fixture need not list keys it is not about).
 """
 
 from __future__ import annotations
@@ -30,12 +38,19 @@ from .golden_kind import GoldenKind
 StoreExpect = dict[str, dict[str, Any]]
 
 
-def _by_group(rows: list[dict[str, Any]], op: str, who: str) -> dict[str, dict[int, list[int]]]:
-    """{request: {group: sorted boundaries}} of the successful ``op`` rows, filed
-    under the row's ``who`` (``request``: the key's first request; ``loader``)."""
+MATCHES = ("all", "subset")
+
+
+def _by_group(rows: list[dict[str, Any]], op: str, who: str,
+              rank: int | None = None) -> dict[str, dict[int, list[int]]]:
+    """{request: {group: sorted boundaries}} of the successful ``op`` rows (of one
+    rank, or all), filed under the row's ``who`` (``request``: the key's first
+    request; ``loader``)."""
     out: dict[str, dict[int, list[int]]] = {}
     for r in rows:
         if r["op"] != op or r["result"] is None or r["result"] < 0:
+            continue
+        if rank is not None and r.get("rank", 0) != rank:
             continue
         req = r.get(who) or "?"
         group = -1 if r["group"] is None else r["group"]
@@ -58,37 +73,62 @@ def from_report(rows: list[dict[str, Any]], lookups: list[dict[str, Any]]) -> St
     gets = _by_group(rows, "get", "loader")
     if gets:            # none (no lookup hit) is left out, as a golden table has no rows
         out["gets"] = gets
+    ranks = sorted({r.get("rank", 0) or 0 for r in rows})
+    if len(ranks) > 1:
+        out["ranks"] = {}
+        for rank in ranks:
+            own: dict[str, Any] = {"puts": _by_group(rows, "put", "request", rank)}
+            own_gets = _by_group(rows, "get", "loader", rank)
+            if own_gets:
+                own["gets"] = own_gets
+            out["ranks"][rank] = own
     return out
 
 
 def to_table(expect: StoreExpect, engine_key: str) -> pa.Table:
+    """One row per key (``rank`` null: all ranks'; a number: that rank's own) and
+    per lookup (``hit_length`` null: never looked up); ``rank`` only where some
+    row has one, so a single-rank golden reads as before."""
     rows = []
-    for kind in ("put", "get"):
-        for req, groups in expect.get(kind + "s", {}).items():
-            for g, boundaries in groups.items():
-                rows += [{"kind": kind, "request": req, "group": int(g), "boundary": int(b),
-                          "hit_length": None} for b in boundaries]
+    blocks = [(None, expect)] + sorted((int(r), v) for r, v in expect.get("ranks", {}).items())
+    for rank, block in blocks:
+        for kind in ("put", "get"):
+            for req, groups in block.get(kind + "s", {}).items():
+                for g, boundaries in groups.items():
+                    rows += [{"kind": kind, "request": req, "group": int(g),
+                              "boundary": int(b), "hit_length": None, "rank": rank}
+                             for b in boundaries]
     for req, hit in expect.get("lookups", {}).items():
         rows.append({"kind": "lookup", "request": req, "group": None, "boundary": None,
-                     "hit_length": int(hit)})
-    table = pa.Table.from_pylist(rows, schema=schema.GOLDEN_STORE.arrow_schema())
+                     "hit_length": None if hit is None else int(hit), "rank": None})
+    present = {c.name for c in schema.GOLDEN_STORE.columns}
+    if "ranks" not in expect:
+        present.discard("rank")
+        rows = [{k: v for k, v in r.items() if k != "rank"} for r in rows]
+    table = pa.Table.from_pylist(rows, schema=schema.GOLDEN_STORE.arrow_schema(present))
     return table.replace_schema_metadata({"engine": engine_key})
 
 
 def from_table(table: pa.Table) -> StoreExpect:
     """A golden table as an expectation; ``gets`` only when the table has get rows
     (a table written before gets were recorded checks puts and lookups only)."""
-    keyed: dict[str, dict[str, dict[int, list[int]]]] = {"put": {}, "get": {}}
-    hits: dict[str, int] = {}
+    keyed: dict[int | None, dict[str, dict[str, dict[int, list[int]]]]] = {
+        None: {"put": {}, "get": {}}}
+    hits: dict[str, int | None] = {}
     for r in table.to_pylist():
-        if r["kind"] in keyed:
-            keyed[r["kind"]].setdefault(r["request"], {}).setdefault(
+        if r["kind"] in ("put", "get"):
+            per = keyed.setdefault(r.get("rank"), {"put": {}, "get": {}})
+            per[r["kind"]].setdefault(r["request"], {}).setdefault(
                 r["group"], []).append(r["boundary"])
         else:
             hits[r["request"]] = r["hit_length"]
-    out: StoreExpect = {"puts": keyed["put"], "lookups": hits}
-    if keyed["get"]:
-        out["gets"] = keyed["get"]
+    out: StoreExpect = {"puts": keyed[None]["put"], "lookups": hits}
+    if keyed[None]["get"]:
+        out["gets"] = keyed[None]["get"]
+    ranks = {rank: per for rank, per in keyed.items() if rank is not None}
+    if ranks:
+        out["ranks"] = {rank: {"puts": per["put"], **({"gets": per["get"]} if per["get"] else {})}
+                        for rank, per in sorted(ranks.items())}
     return out
 
 
@@ -100,33 +140,67 @@ class StoreMismatch:
     boundary: int | None = None
     expected: int | None = None
     actual: int | None = None
+    rank: int | None = None        # a key of one rank's own block (None: all ranks')
 
     def describe(self) -> str:
         if self.what == "lookup":
-            return (f"lookup of {self.request}: hit_length expected {self.expected}, "
-                    f"got {self.actual}")
-        return f"{self.what}: group {self.group} @ {self.boundary} ({self.request})"
+            none = lambda v: "no lookup" if v is None else v  # noqa: E731
+            return (f"lookup of {self.request}: hit_length expected {none(self.expected)}, "
+                    f"got {none(self.actual)}")
+        on = "" if self.rank is None else f" on rank {self.rank}"
+        return f"{self.what}: group {self.group} @ {self.boundary} ({self.request}){on}"
 
 
 def _triples(keyed: dict[str, dict[int, list[int]]]) -> set[tuple[str, int, int]]:
     return {(r, int(g), int(b)) for r, gs in keyed.items() for g, bs in gs.items() for b in bs}
 
 
-def compare_store(expect: StoreExpect, actual: StoreExpect) -> list[StoreMismatch]:
-    """Puts and gets (each only where the golden has that block), then lookups."""
+def _compare_keys(expect: dict[str, Any], actual: dict[str, Any], subset: bool,
+                  rank: int | None) -> list[StoreMismatch]:
     out: list[StoreMismatch] = []
     for block, op in (("puts", "put"), ("gets", "get")):
         if block not in expect:
             continue
         want, got = _triples(expect[block]), _triples(actual.get(block, {}))
         for r, g, b in sorted(want - got, key=lambda x: (x[1], x[2], x[0])):
-            out.append(StoreMismatch(f"missing {op}", r, g, b))
+            out.append(StoreMismatch(f"missing {op}", r, g, b, rank=rank))
+        if subset:
+            continue
         for r, g, b in sorted(got - want, key=lambda x: (x[1], x[2], x[0])):
-            out.append(StoreMismatch(f"extra {op}", r, g, b))
+            out.append(StoreMismatch(f"extra {op}", r, g, b, rank=rank))
+    return out
+
+
+def compare_store(expect: StoreExpect, actual: StoreExpect) -> list[StoreMismatch]:
+    """Puts and gets (each only where the golden has that block; all ranks', then
+    each rank's own the golden names), then lookups. ``match: subset``: the
+    golden's keys must be there, others may be."""
+    subset = expect.get("match") == "subset"
+    out = _compare_keys(expect, actual, subset, None)
+    # A replay at one rank files everything as rank 0's.
+    ranks = actual.get("ranks") or {0: actual}
+    for rank, own in sorted(expect.get("ranks", {}).items()):
+        out += _compare_keys(own, ranks.get(rank, {}), subset, rank)
     for req, hit in expect.get("lookups", {}).items():
         got = actual.get("lookups", {}).get(req)
         if got != hit:
             out.append(StoreMismatch("lookup", req, expected=hit, actual=got))
+    return out
+
+
+def _parse_ranks(path: Path, where: str, raw: Any, ids: set[str]) -> dict[int, dict[str, Any]]:
+    """``{rank: {puts?, gets?}}``: each rank's own keys, checked."""
+    if not isinstance(raw, dict) or not raw:
+        raise TraceError(path, f"{where} must map rank -> {{puts: ..., gets: ...}}")
+    out: dict[int, dict[str, Any]] = {}
+    for rank, body in raw.items():
+        rank = require_int(path, f"{where} rank", rank, 0)
+        if not isinstance(body, dict):
+            raise TraceError(path, f"{where}.{rank} must map puts/gets -> "
+                                   "{request: {group: [boundaries]}}")
+        reject_unknown_keys(path, f"{where}.{rank}", body, ("puts", "gets"))
+        out[rank] = {block: _parse_keyed(path, f"{where}.{rank}.{block}", body[block], ids)
+                     for block in ("puts", "gets") if block in body}
     return out
 
 
@@ -161,28 +235,45 @@ class StoreGoldens(GoldenKind):
 
     def parse_body(self, path: Path, where: str, body: dict[str, Any],
                    ids: set[str]) -> StoreExpect:
-        reject_unknown_keys(path, where, body, ("puts", "gets", "lookups"))
+        reject_unknown_keys(path, where, body, ("puts", "gets", "lookups", "ranks", "match"))
         keyed = {block: _parse_keyed(path, f"{where}.{block}", body.get(block), ids)
                  for block in ("puts", "gets")}
-        lookups: dict[str, int] = {}
+        lookups: dict[str, int | None] = {}
         for rid, hit in (body.get("lookups") or {}).items():
             rid = str(rid)
             if rid not in ids:
                 raise TraceError(path, f"{where}.lookups names unknown request {rid!r}")
-            lookups[rid] = require_int(path, f"{where}.lookups.{rid}", hit, 0)
+            # null: this request must never have been looked up
+            lookups[rid] = None if hit is None else require_int(
+                path, f"{where}.lookups.{rid}", hit, 0)
         entry: StoreExpect = {"lookups": lookups}
         for block in ("puts", "gets"):
             if block in body:
                 entry[block] = keyed[block]
+        if "ranks" in body:
+            entry["ranks"] = _parse_ranks(path, f"{where}.ranks", body["ranks"], ids)
+        if "match" in body:
+            if body["match"] not in MATCHES:
+                raise TraceError(path, f"{where}.match must be one of {', '.join(MATCHES)}, "
+                                       f"got {body['match']!r}")
+            entry["match"] = body["match"]
         return entry
 
     def to_yaml(self, expect: StoreExpect) -> dict[str, Any]:
+        def keyed(block: dict[str, Any]) -> dict[str, Any]:
+            return {rid: {int(g): [int(b) for b in bs] for g, bs in groups.items()}
+                    for rid, groups in block.items()}
+
         out: dict[str, Any] = {}
+        if expect.get("match", "all") != "all":
+            out["match"] = expect["match"]
         for block in ("puts", "gets"):
-            if block == "puts" or expect.get(block):
-                out[block] = {rid: {int(g): [int(b) for b in bs] for g, bs in groups.items()}
-                              for rid, groups in expect.get(block, {}).items()}
+            if block in expect:        # a block left out is not checked: keep it out
+                out[block] = keyed(expect[block])
         out["lookups"] = dict(expect.get("lookups", {}))
+        if expect.get("ranks"):
+            out["ranks"] = {int(r): {b: keyed(own[b]) for b in ("puts", "gets") if own.get(b)}
+                            for r, own in sorted(expect["ranks"].items())}
         return out
 
     def from_table(self, table: pa.Table) -> StoreExpect:

@@ -73,7 +73,7 @@ def validate_table(path: Path, spec: schema.Table, table: pa.Table,
                 raise TraceError(path, "missing column", column=col.name)
             continue
         actual = file_schema.field(col.name).type
-        if not actual.equals(col.type):
+        if not actual.equals(col.type) and not any(actual.equals(t) for t in col.older):
             raise TraceError(path, f"wrong type {actual}, expected {col.type}", column=col.name)
         if not col.nullable and table[col.name].null_count:
             row = _first_true(pc.is_null(table[col.name]))

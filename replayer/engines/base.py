@@ -13,6 +13,8 @@ from typing import Any
 
 from traces.golden_kind import engine_key
 
+from ..schedule import KeySelector
+
 
 class EngineError(RuntimeError):
     """The engine cannot be built for this trace (bad geometry, unsupported release)."""
@@ -172,10 +174,17 @@ class EngineAdapter(ABC):
         raise UnsupportedByEngine(f"vllm {self.info.vllm}: this engine cannot evict "
                                   "cached blocks (no KVCacheManager.evict_blocks)")
 
-    def store_remove(self, keys: tuple[tuple[str, int | None, int | None], ...]) -> list[str]:
-        """Remove store keys named by meaning (request, group, boundary) through the
-        store backend's ``remove``; returns the keys removed."""
+    def store_remove(self, keys: tuple[KeySelector, ...]) -> list[str]:
+        """Remove store keys named by meaning (request, group, boundary, rank)
+        through the store backend's ``remove``; returns the keys removed."""
         raise UnsupportedByEngine(f"vllm {self.info.vllm}: store_remove needs a "
+                                  "MooncakeStore connector replay")
+
+    def store_fault(self, op: str, keys: tuple[KeySelector, ...], code: int,
+                    times: int) -> None:
+        """Arm a fault: the next ``times`` store ops ``op`` on keys matching ``keys``
+        return ``code`` instead of reaching the store."""
+        raise UnsupportedByEngine(f"vllm {self.info.vllm}: store_fault needs a "
                                   "MooncakeStore connector replay")
 
     def lookups(self) -> dict[str, tuple[int, int]] | None:

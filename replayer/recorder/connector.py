@@ -30,7 +30,12 @@ from .session import StoreSession, check_release, record_dir, scheduler_session
 _CLASSES: dict[str, type] = {}
 
 
-def _rank() -> int:
+def _rank(vllm_config: Any) -> int:
+    """The worker's global rank, as vLLM sets it on each worker's config (the replay
+    sets it while it builds each rank's connector in one process)."""
+    rank = getattr(getattr(vllm_config, "parallel_config", None), "rank", None)
+    if isinstance(rank, int):
+        return rank
     try:
         from vllm.distributed.parallel_state import get_world_group
 
@@ -89,13 +94,29 @@ class StoreOpRecorder:
 
     def remove_all(self, *args, **kwargs):
         res = self._inner.remove_all(*args, **kwargs)
+        self._keyless("remove_all", int(res))
+        return res
+
+    def remove(self, key, *args, **kwargs):
+        """One key removed (the replay's ``store_remove``; an operator's tooling)."""
+        res = self._inner.remove(key, *args, **kwargs)
+        sched = scheduler_session(self._out)
+        where = sched.boundaries if sched is not None and sched.boundaries is not None else {}
+        site = where.get(key_hash(key))
         with self._lock:
             self._writer.append({"order": self._order, "step": self.step, "rank": self.rank,
-                                 "op": "remove_all", "key": None, "group": None,
-                                 "boundary": None, "bytes": None, "result": int(res),
-                                 "request": None})
+                                 "op": "remove", "key": key, "group": key_group(key),
+                                 "boundary": site[0] if site else None, "bytes": None,
+                                 "result": int(res), "request": site[1] if site else None})
             self._order += 1
         return res
+
+    def _keyless(self, op: str, result: int) -> None:
+        with self._lock:
+            self._writer.append({"order": self._order, "step": self.step, "rank": self.rank,
+                                 "op": op, "key": None, "group": None, "boundary": None,
+                                 "bytes": None, "result": result, "request": None})
+            self._order += 1
 
 
 class RecordingConnectorMixin:
@@ -113,7 +134,7 @@ class RecordingConnectorMixin:
             import vllm
 
             check_release(vllm.__version__, connector=True)
-            rank = _rank()
+            rank = _rank(vllm_config)
             self._rec_session = StoreSession(out, rank)
             self._rec_store = StoreOpRecorder(worker.store, self._rec_session, rank, out)
             worker.store = self._rec_store

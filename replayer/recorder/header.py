@@ -63,6 +63,10 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
     }
     if str(sched.policy) != "fcfs":
         block["scheduling_policy"] = str(sched.policy)
+    par = vllm_config.parallel_config
+    for name in ("tensor_parallel_size", "decode_context_parallel_size"):
+        if int(getattr(par, name, 1) or 1) > 1:         # the ranks a store key names
+            block[name] = int(getattr(par, name))
     if getattr(cache, "prefix_match_unit", None):
         block["prefix_match_unit"] = int(cache.prefix_match_unit)
     if getattr(sched, "long_prefill_token_threshold", 0):
@@ -94,6 +98,8 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
         conf = {k: extra[k] for k in CONNECTOR_CONFIG_KEYS if k in extra}
         if conf:
             block["connector_config"] = conf
+        if getattr(ktc, "kv_load_failure_policy", "fail") != "fail":
+            block["kv_load_failure_policy"] = str(ktc.kv_load_failure_policy)
     return EngineBlock.from_dict("the recorded engine", block)
 
 

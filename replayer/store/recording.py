@@ -7,7 +7,11 @@ bytes, result. It also checksums each value put and each value got back, so a
 replay over the real master proves the bytes read equal the bytes written.
 Failures (a negative code other than OBJECT_NOT_FOUND on a get or exists) are
 kept and raised by the replay loop after the step, naming the store and step:
-never a silent pass.
+never a silent pass. A :class:`Fault` armed by a ``store_fault`` event answers
+its matching keys with its code instead of the backend (the seam vLLM's own
+store tests use: the client returns an error code); those rows are recorded
+with that code and are not failures, so vLLM's own error handling decides
+what follows.
 """
 
 from __future__ import annotations
@@ -42,6 +46,31 @@ def _crc(addrs: list[int], sizes: list[int]) -> int:
 
 
 @dataclass
+class Fault:
+    """An armed ``store_fault``: ``op`` on keys matching a selector (first
+    request, group, boundary, rank; None matches any) returns ``code``, for the
+    next ``times`` matching keys."""
+
+    op: str
+    selectors: tuple[tuple[str, int | None, int | None, int | None], ...]
+    code: int
+    times: int
+    step: int                       # armed before this step
+    fired: int = 0
+
+    def takes(self, op: str, request: str | None, group: int | None,
+              boundary: int | None, rank: int) -> bool:
+        if self.fired >= self.times or op != self.op:
+            return False
+        for req, g, b, r in self.selectors:
+            if req == request and g in (None, group) and b in (None, boundary) \
+                    and r in (None, rank):
+                self.fired += 1
+                return True
+        return False
+
+
+@dataclass
 class StoreOps:
     """The recorded operations, in the order the store saw them."""
 
@@ -49,26 +78,36 @@ class StoreOps:
     failures: list[str] = field(default_factory=list)
     # request id -> lookup results, in order
     lookups: list[dict[str, Any]] = field(default_factory=list)
+    # key -> CRC of the value first put (any rank): what a get must read back
+    put_crc: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    faults: list[Fault] = field(default_factory=list)
 
 
 class RecordingStore:
-    """A pass-through wrapper around a Mooncake-like store object."""
+    """A pass-through wrapper around a Mooncake-like store object.
+
+    One per worker rank; ``ops`` shared by the ranks of one replay makes one
+    ordered table of every rank's operations (the ranks step one after another).
+    """
 
     def __init__(self, inner: Any, label: str, rank: int = 0,
-                 boundary_of: Callable[[str], tuple[int, str] | None] | None = None) -> None:
+                 boundary_of: Callable[[str], tuple[int, str] | None] | None = None,
+                 ops: StoreOps | None = None) -> None:
         self._inner = inner
         self.label = label
         self.rank = rank
         self.step = 0
         self.phase = "exists"          # "lookup" while the scheduler's lookup runs
-        self.ops = StoreOps()
+        self.ops = StoreOps() if ops is None else ops
         self.boundary_of = boundary_of or (lambda h: None)
-        self._lock = threading.Lock()
+        self._lock = self.ops.lock
         # The request whose load is running on this thread (set around each load).
         self._loading = threading.local()
-        self._put_crc: dict[str, int] = {}
+        self._put_crc = self.ops.put_crc
         self.seconds = 0.0            # inside the backend's calls (timings, never output)
-        if hasattr(inner, "on_evict"):
+        if hasattr(inner, "on_evict") and ops is None:
+            # A shared backend's evictions are filed once, by the first rank's recorder.
             inner.on_evict = self._evicted
 
     def __getattr__(self, name: str) -> Any:
@@ -104,32 +143,66 @@ class RecordingStore:
         finally:
             self.seconds += time.perf_counter() - t
 
+    def _injected(self, op: str, keys: list[str]) -> dict[int, int]:
+        """Index -> code of the keys an armed fault answers instead of the store."""
+        if not self.ops.faults:
+            return {}
+        out: dict[int, int] = {}
+        with self._lock:
+            for i, k in enumerate(keys):
+                site = self.boundary_of(key_hash(k))
+                boundary, request = site if site else (None, None)
+                for fault in self.ops.faults:
+                    if fault.takes(op, request, key_group(k), boundary, self.rank):
+                        out[i] = fault.code
+                        break
+        return out
+
+    def _forward(self, fn, op: str, keys: list[str], *lists: list, rest: tuple = ()) -> tuple:
+        """The backend's results for the keys no fault answers, merged in key
+        order with the injected codes; and the injected indices."""
+        injected = self._injected(op, keys)
+        if not injected:
+            return list(self._call(fn, keys, *lists, *rest)), injected
+        keep = [i for i in range(len(keys)) if i not in injected]
+        res: list[int] = [injected.get(i, 0) for i in range(len(keys))]
+        if keep:
+            got = self._call(fn, [keys[i] for i in keep], *([xs[i] for i in keep] for xs in lists),
+                             *rest)
+            for i, r in zip(keep, got):
+                res[i] = r
+        return res, injected
+
     def batch_is_exist(self, keys: list[str]) -> list[int]:
-        res = self._call(self._inner.batch_is_exist, keys)
         op = self.phase
-        for k, r in zip(keys, res):
+        res, injected = self._forward(self._inner.batch_is_exist, op, keys)
+        for i, (k, r) in enumerate(zip(keys, res)):
             self._row(op, k, None, int(r))
-            if r < 0:
+            if r < 0 and i not in injected:
                 self._fail(f"{op} of {k} returned {code_name(int(r))}")
         return res
 
     def batch_put_from_multi_buffers(self, keys, addrs, sizes, *args: Any) -> list[int]:
         crcs = [_crc(a, s) for a, s in zip(addrs, sizes)]
-        res = self._call(self._inner.batch_put_from_multi_buffers, keys, addrs, sizes, *args)
-        for k, s, c, r in zip(keys, sizes, crcs, res):
+        res, injected = self._forward(self._inner.batch_put_from_multi_buffers, "put", keys,
+                                      addrs, sizes, rest=args)
+        for i, (k, s, c, r) in enumerate(zip(keys, sizes, crcs, res)):
             self._row("put", k, sum(s), int(r))
             if r < 0:
-                self._fail(f"put of {k} returned {code_name(int(r))}")
+                if i not in injected:
+                    self._fail(f"put of {k} returned {code_name(int(r))}")
             else:
                 self._put_crc.setdefault(k, c)
         return res
 
     def batch_get_into_multi_buffers(self, keys, addrs, sizes, *args: Any) -> list[int]:
-        res = self._call(self._inner.batch_get_into_multi_buffers, keys, addrs, sizes, *args)
-        for k, a, s, r in zip(keys, addrs, sizes, res):
+        res, injected = self._forward(self._inner.batch_get_into_multi_buffers, "get", keys,
+                                      addrs, sizes, rest=args)
+        for i, (k, a, s, r) in enumerate(zip(keys, addrs, sizes, res)):
             self._row("get", k, sum(s), int(r))
             if r < 0 and r != OBJECT_NOT_FOUND:
-                self._fail(f"get of {k} returned {code_name(int(r))}")
+                if i not in injected:
+                    self._fail(f"get of {k} returned {code_name(int(r))}")
             elif r >= 0 and k in self._put_crc and _crc(a, s) != self._put_crc[k]:
                 self._fail(f"get of {k} read back bytes that differ from the put")
         return res
