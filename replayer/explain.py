@@ -8,8 +8,8 @@ the previous one, so the causes telescope and add up exactly:
 1. capacity: the same trace with a KV cache large enough that nothing is
    ever evicted;
 2. store (a trace with a connector) or reset: without its
-   ``reset_prefix_cache`` events and targeted ``evict`` / ``store_remove``
-   events (what the store should have given back);
+   ``reset_prefix_cache`` events and targeted ``evict`` / ``store_remove`` /
+   ``store_fault`` events (what the store should have given back);
 3. eagle_drop: without speculative decoding (the EAGLE/MTP drop and its
    lookahead block hashes);
 4. sparse_retention: ``prefix_cache_retention_interval: null`` (vLLM's dense
@@ -51,8 +51,9 @@ CAUSES = ("capacity", "store", "reset", "eagle_drop", "sparse_retention", "slidi
 
 Replayer = Callable[[Trace], ReplayResult]
 
-#: Events that empty the GPU cache or the store: one counterfactual removes them all.
-EMPTYING_EVENTS = ("reset_prefix_cache", "evict", "store_remove")
+#: Events that empty the GPU cache or the store, or make the store fail: one
+#: counterfactual removes them all.
+EMPTYING_EVENTS = ("reset_prefix_cache", "evict", "store_remove", "store_fault")
 
 
 @dataclass(frozen=True)

@@ -126,11 +126,8 @@ def compile_scenario(path: str | Path) -> Trace:
             arrays[name] = pa.array(values, type=col.type)
     requests = pa.table(arrays, schema=spec.arrow_schema(set(cols)))
     events = _events(path, data.get("events"), set(cols["id"]))
-    if events is not None and not engine.connector:
-        actions = events["action"].to_pylist()
-        for i, action in enumerate(actions):
-            if action in ("store_remove", "store_fault"):
-                raise TraceError(path, f"events[{i}]: {action} needs engine.connector")
+    if events is not None:
+        _check_store_events(path, events, engine)
     header = {
         "schema_version": schema.SCHEMA_VERSION,
         "engine": engine,
@@ -142,6 +139,21 @@ def compile_scenario(path: str | Path) -> Trace:
                   **_goldens(path, data, engine, set(cols["id"])))
     validate_trace(path, trace)
     return trace
+
+
+def _check_store_events(path: Path, events: pa.Table, engine: EngineBlock) -> None:
+    """Store events need a connector, and a rank they name must be one the engine runs."""
+    for i, (action, keys) in enumerate(zip(events["action"].to_pylist(),
+                                           events["keys"].to_pylist())):
+        if action not in ("store_remove", "store_fault"):
+            continue
+        if not engine.connector:
+            raise TraceError(path, f"events[{i}]: {action} needs engine.connector")
+        for j, sel in enumerate(keys or ()):
+            if sel.get("rank") is not None and sel["rank"] >= engine.tensor_parallel_size:
+                raise TraceError(path, f"events[{i}].keys[{j}].rank {sel['rank']} is not a "
+                                       f"rank of this engine (tensor_parallel_size "
+                                       f"{engine.tensor_parallel_size})")
 
 
 def _events(path: Path, events: Any, ids: set[str]) -> pa.Table | None:
