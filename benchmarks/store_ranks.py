@@ -2,13 +2,14 @@
 
 The first 1,000 conversation requests through the MooncakeStore connector
 (the geometry and GPU cache of ``replay_store.py``, the in-memory store) at
-``tensor_parallel_size`` 1, 2 and 4: one real ``MooncakeStoreWorker`` per rank
-in one process. Each runs in a fresh process; prints wall, vLLM and store
+``tensor_parallel_size`` 1 and 2, one real ``MooncakeStoreWorker`` per rank in
+one process (4 needs a model of 4 or more attention heads; vLLM refuses the
+bundled tiny ones, which have 2). Each runs in a fresh process; prints wall, vLLM and store
 seconds, store ops per rank, peak RSS, the wall cost of each rank beyond the
 first, and whether the hits are the same at every size (they should be: the
 ranks split keys, not tokens).
 
-    python benchmarks/store_ranks.py [--limit 1000] [--sizes 1,2,4]
+    python benchmarks/store_ranks.py [--limit 1000] [--sizes 1,2]
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _child(tp: str, trace_dir: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=1000)
-    ap.add_argument("--sizes", default="1,2,4", help="tensor_parallel_size values")
+    # TP 4 needs a model with 4 or more attention heads; the bundled tiny ones have 2.
+    ap.add_argument("--sizes", default="1,2", help="tensor_parallel_size values")
     args, source = public_trace.parse_or_run_child(ap, _child)
     sys.path.insert(0, str(ROOT))
     from traces.importers.mooncake import import_mooncake

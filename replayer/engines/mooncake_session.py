@@ -282,8 +282,7 @@ class StoreSession:
         outputs = []
         try:
             for one in self.ranks:
-                # Each worker process unpickles its own copy of the scheduler output.
-                own = copy.deepcopy(scheduler_output)
+                own = _worker_copy(scheduler_output)
                 kv_transfer_state._KV_CONNECTOR_AGENT = one.connector
                 with set_forward_context(None, vllm_config), \
                         KVConnectorModelRunnerMixin._get_kv_connector_output(own) as out:
@@ -326,3 +325,15 @@ class StoreSession:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _worker_copy(scheduler_output: Any) -> Any:
+    """What one rank's worker gets of the step: each worker process unpickles its
+    own scheduler output, so no rank sees another's changes. The parts a worker's
+    connector reads (``_get_kv_connector_output``: the connector metadata, the
+    finished ids, ``has_sync_kv_loads``) are copied; the rest is shared, as
+    copying every new request's tokens for every rank doubled a TP 2 replay."""
+    own = copy.copy(scheduler_output)
+    own.kv_connector_metadata = copy.deepcopy(scheduler_output.kv_connector_metadata)
+    own.finished_req_ids = set(scheduler_output.finished_req_ids)
+    return own
