@@ -37,12 +37,18 @@ ENGINE = {**GEOMETRIES["hybrid-b1536-pmu128-eagle"], "num_gpu_blocks": 512,
 POOL_BYTES = 3 * 1024 ** 3
 
 
-def _child(backend: str, trace_dir: str) -> dict:
-    t0 = time.perf_counter()
+def quiet_store_child() -> None:
+    """A measuring child of a store benchmark: vLLM and the Mooncake client quiet
+    (their logs would be timed too), no model hub, this checkout importable."""
     for k, v in {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch", "HF_HUB_OFFLINE": "1",
                  "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "3"}.items():
         os.environ.setdefault(k, v)
     sys.path.insert(0, str(ROOT))
+
+
+def _child(backend: str, trace_dir: str) -> dict:
+    t0 = time.perf_counter()
+    quiet_store_child()
     from replayer.execution.clients import replay_on
     from replayer.store import StoreSpec
     from traces import read_trace

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import resource
 import sys
 import tempfile
@@ -29,15 +28,12 @@ import public_trace  # noqa: E402  (benchmarks/, first on sys.path when run as a
 ROOT = Path(__file__).resolve().parent.parent
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from replay_store import ENGINE, POOL_BYTES  # noqa: E402  (the same geometry and pool)
+from replay_store import ENGINE, POOL_BYTES, quiet_store_child  # noqa: E402  (same geometry)
 
 
 def _child(tp: str, trace_dir: str) -> dict:
     t0 = time.perf_counter()
-    for k, v in {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch", "HF_HUB_OFFLINE": "1",
-                 "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "3"}.items():
-        os.environ.setdefault(k, v)
-    sys.path.insert(0, str(ROOT))
+    quiet_store_child()
     from replayer.execution.clients import replay_on
     from replayer.store import StoreSpec
     from traces import read_trace
