@@ -295,3 +295,15 @@ def test_a_fault_needs_a_connector(tmp_path):
     src.write_text("engine: {block_size: 16}\n" + REQS + f"events:\n  - {event}\n")
     assert_bad_input(cli_here("compile", src, "-o", tmp_path / "OUT"), "bad.yaml",
                      "events[0]: store_fault needs engine.connector")
+
+
+@pytest.mark.parametrize("engine, needle", [
+    ("{block_size: 16, connector: mooncake_store, kv_load_failure_policy: retry}",
+     "engine.kv_load_failure_policy must be one of fail, recompute, got 'retry'"),
+    ("{block_size: 16, kv_load_failure_policy: recompute}",
+     "engine.kv_load_failure_policy needs engine.connector"),
+])
+def test_bad_load_failure_policy(tmp_path, engine, needle):
+    src = tmp_path / "bad.yaml"
+    src.write_text(f"engine: {engine}\n" + REQS)
+    assert_bad_input(cli_here("compile", src, "-o", tmp_path / "OUT"), "bad.yaml", needle)
