@@ -281,20 +281,13 @@ REQS = ("requests:\n  - {id: a, prompt: {stream: s, len: 40}}\n"
      "events[0].op does not apply to action reset_prefix_cache"),
 ])
 def test_bad_store_events(tmp_path, event, needle):
-    src = tmp_path / "bad.yaml"
-    src.write_text(ENGINE + REQS + f"events:\n  - {event}\n")
-    before = listing(tmp_path)
-    proc = cli_here("compile", src, "-o", tmp_path / "OUT")
-    assert_bad_input(proc, "bad.yaml", needle)
-    assert listing(tmp_path) == before
+    _refused(tmp_path, ENGINE + REQS + f"events:\n  - {event}\n", needle)
 
 
 def test_a_fault_needs_a_connector(tmp_path):
-    src = tmp_path / "bad.yaml"
     event = "{after: a, action: store_fault, op: put, keys: [{request: a}]}"
-    src.write_text("engine: {block_size: 16}\n" + REQS + f"events:\n  - {event}\n")
-    assert_bad_input(cli_here("compile", src, "-o", tmp_path / "OUT"), "bad.yaml",
-                     "events[0]: store_fault needs engine.connector")
+    _refused(tmp_path, "engine: {block_size: 16}\n" + REQS + f"events:\n  - {event}\n",
+             "events[0]: store_fault needs engine.connector")
 
 
 @pytest.mark.parametrize("engine, needle", [
@@ -304,6 +297,14 @@ def test_a_fault_needs_a_connector(tmp_path):
      "engine.kv_load_failure_policy needs engine.connector"),
 ])
 def test_bad_load_failure_policy(tmp_path, engine, needle):
+    _refused(tmp_path, f"engine: {engine}\n" + REQS, needle)
+
+
+def _refused(tmp_path, text: str, needle: str) -> None:
+    """``compile`` of this scenario: one line naming the file and ``needle``, exit 2,
+    nothing written."""
     src = tmp_path / "bad.yaml"
-    src.write_text(f"engine: {engine}\n" + REQS)
+    src.write_text(text)
+    before = listing(tmp_path)
     assert_bad_input(cli_here("compile", src, "-o", tmp_path / "OUT"), "bad.yaml", needle)
+    assert listing(tmp_path) == before
