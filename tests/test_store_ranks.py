@@ -192,6 +192,14 @@ def test_one_ranks_lost_shard_loses_the_hit_whichever_rank(tmp_path):
     assert _hits(kept)["a_again"] == 7296        # every shard there: the hit comes back
 
 
+def test_evictions_of_the_shared_store_are_recorded_once_under_rank_0(tmp_path):
+    _, ops = _run(tmp_path, LOST, "small", "--store-capacity", "1MB")
+    evicted = ops.filter(pl.col("op") == "evict")
+    assert evicted.height > 0
+    assert set(evicted["rank"]) == {0}
+    assert evicted["key"].n_unique() == evicted.height     # each eviction once, not per rank
+
+
 def test_a_failed_put_is_recorded_with_its_code_and_the_replay_goes_on(tmp_path):
     got, ops = _run(tmp_path, PUT_FAILS, "put")
     failed = ops.filter(pl.col("result") < 0)

@@ -21,6 +21,8 @@ CODES = {
     -1000: "ETCD_OPERATION_ERROR", -1100: "FILE_NOT_FOUND",
 }
 
+_BY_NAME = {name: code for code, name in CODES.items() if code < 0}
+
 OBJECT_NOT_FOUND = -704
 INVALID_PARAMS = -600
 RPC_FAIL = -900
@@ -37,7 +39,5 @@ def code_of(value: object) -> int | None:
     if isinstance(value, int):
         return value if value < 0 else None
     if isinstance(value, str):
-        by_name = {name: code for code, name in CODES.items()}
-        code = by_name.get(value.strip().upper())
-        return code if code is not None and code < 0 else None
+        return _BY_NAME.get(value.strip().upper())
     return None

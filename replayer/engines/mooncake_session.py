@@ -259,7 +259,7 @@ class StoreSession:
                   step: int) -> None:
         """From now on the next ``times`` ops ``op`` on matching keys return ``code``.
         A selector naming a rank this replay does not run is an error."""
-        for request, _, _, rank in selectors:
+        for _, _, _, rank in selectors:
             if rank is not None and rank >= len(self.ranks):
                 raise StoreError(f"store {self.label}: store_fault on rank {rank}, but the "
                                  f"replay runs {len(self.ranks)} rank(s) "

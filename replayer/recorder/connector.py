@@ -94,29 +94,19 @@ class StoreOpRecorder:
 
     def remove_all(self, *args, **kwargs):
         res = self._inner.remove_all(*args, **kwargs)
-        self._keyless("remove_all", int(res))
+        with self._lock:
+            self._writer.append({"order": self._order, "step": self.step, "rank": self.rank,
+                                 "op": "remove_all", "key": None, "group": None,
+                                 "boundary": None, "bytes": None, "result": int(res),
+                                 "request": None})
+            self._order += 1
         return res
 
     def remove(self, key, *args, **kwargs):
         """One key removed (the replay's ``store_remove``; an operator's tooling)."""
         res = self._inner.remove(key, *args, **kwargs)
-        sched = scheduler_session(self._out)
-        where = sched.boundaries if sched is not None and sched.boundaries is not None else {}
-        site = where.get(key_hash(key))
-        with self._lock:
-            self._writer.append({"order": self._order, "step": self.step, "rank": self.rank,
-                                 "op": "remove", "key": key, "group": key_group(key),
-                                 "boundary": site[0] if site else None, "bytes": None,
-                                 "result": int(res), "request": site[1] if site else None})
-            self._order += 1
+        self._rows("remove", [key], None, [res])
         return res
-
-    def _keyless(self, op: str, result: int) -> None:
-        with self._lock:
-            self._writer.append({"order": self._order, "step": self.step, "rank": self.rank,
-                                 "op": op, "key": None, "group": None, "boundary": None,
-                                 "bytes": None, "result": result, "request": None})
-            self._order += 1
 
 
 class RecordingConnectorMixin:

@@ -24,6 +24,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..schedule import KeySelector
 from .codes import OBJECT_NOT_FOUND, code_name
 
 _GROUP = re.compile(r"@group:(\d+)@")
@@ -52,7 +53,7 @@ class Fault:
     next ``times`` matching keys."""
 
     op: str
-    selectors: tuple[tuple[str, int | None, int | None, int | None], ...]
+    selectors: tuple[KeySelector, ...]
     code: int
     times: int
     step: int                       # armed before this step
@@ -106,8 +107,8 @@ class RecordingStore:
         self._loading = threading.local()
         self._put_crc = self.ops.put_crc
         self.seconds = 0.0            # inside the backend's calls (timings, never output)
-        if hasattr(inner, "on_evict") and ops is None:
-            # A shared backend's evictions are filed once, by the first rank's recorder.
+        if hasattr(inner, "on_evict") and rank == 0:
+            # A backend shared by the ranks files its evictions once, under rank 0.
             inner.on_evict = self._evicted
 
     def __getattr__(self, name: str) -> Any:
