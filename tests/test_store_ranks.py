@@ -316,3 +316,50 @@ def _refused(tmp_path, text: str, needle: str) -> None:
     before = listing(tmp_path)
     assert_bad_input(cli_here("compile", src, "-o", tmp_path / "OUT"), "bad.yaml", needle)
     assert listing(tmp_path) == before
+
+
+FAULT_KEYS = [{"request": "a", "group": None, "boundary": None, "rank": None}]
+
+
+@pytest.mark.parametrize("row, column, needle", [
+    ({"op": "write", "code": -900, "times": 1}, "op",
+     "store_fault op must be one of put, get, exists, lookup, got 'write'"),
+    ({"op": "put", "code": 5, "times": 1}, "code", "store_fault code must be below 0, got 5"),
+    ({"op": "put", "code": -900, "times": 0}, "times",
+     "store_fault times must be 1 or more, got 0"),
+    ({"op": "put", "code": -900, "times": 1, "keys": None}, "keys", "store_fault needs keys"),
+])
+def test_bad_store_fault_in_a_trace_directory(tmp_path, row, column, needle):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from helpers_traces import make_trace_dir
+    from traces.schema import EVENTS
+
+    trace = make_trace_dir(tmp_path)
+    full = {"after": None, "at_step": 0, "action": "store_fault", "target": None,
+            "group": None, "keys": FAULT_KEYS, **row}
+    pq.write_table(pa.Table.from_pylist([full], schema=EVENTS.arrow_schema()),
+                   trace / "events.parquet")
+    assert_bad_input(cli_here("info", trace), "events.parquet", f"column '{column}', row 0",
+                     needle)
+
+
+def test_a_fault_on_a_rank_the_trace_does_not_run_stops_the_replay(tmp_path):
+    """A trace directory skips the scenario's rank check; the replay refuses instead."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from helpers_traces import make_trace_dir
+    from traces.schema import EVENTS
+
+    trace = make_trace_dir(tmp_path, scenario=ENGINE.replace(", tensor_parallel_size: 2", "")
+                           + REQS)
+    keys = [{**FAULT_KEYS[0], "rank": 1}]
+    row = {"after": "a", "at_step": None, "action": "store_fault", "target": None,
+           "group": None, "keys": keys, "op": "get", "code": -900, "times": 1}
+    pq.write_table(pa.Table.from_pylist([row], schema=EVENTS.arrow_schema()),
+                   trace / "events.parquet")
+    assert_bad_input(cli("run", trace), "event store_fault (after a)",
+                     "store_fault on rank 1, but the replay runs 1 rank(s) "
+                     "(engine.tensor_parallel_size)")
