@@ -2,7 +2,7 @@
 
 For each geometry of ``replay_conversation.py`` it replays the first
 ``--limit`` conversation requests twice, each in a fresh process: under
-Python's own thresholds (``replayer.gc_tuning`` made a no-op) and as the
+Python's own thresholds (``replayer.replay.execution.gc_tuning`` made a no-op) and as the
 replayer runs (thresholds raised while vLLM is imported and built and while
 the loop runs). It prints, for start-up (import and engine build) and for
 the loop apart, the collector's passes, the seconds spent inside them (wall,
@@ -57,14 +57,14 @@ class Passes:
 def _child(mode: str, trace_dir: str) -> dict:
     passes = Passes()          # before vLLM's import, which engine_here does
     quiet_child()
-    from replayer import gc_tuning
+    from replayer.replay.execution import gc_tuning
 
     if mode == "python":       # the tuning keeps thresholds it would not raise
         python = gc.get_threshold()
         gc_tuning.REPLAY_GEN0_THRESHOLD, gc_tuning.REPLAY_GEN2_THRESHOLD = python[0], python[2]
-    from replayer.replay import replay
-    from replayer.report import dumps
-    from replayer.execution.in_process import engine_here
+    from replayer.replay.loop import replay
+    from replayer.check.output import dumps
+    from replayer.replay.execution.in_process import engine_here
     from traces import read_trace
 
     trace = read_trace(trace_dir)
@@ -86,8 +86,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=1000, help="first N requests (default 1000)")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append")
     args, source = public_trace.parse_or_run_child(ap, _child)
-    from traces.importers.mooncake import import_mooncake
-    from traces.trace import write_trace
+    from traces.io.importers.mooncake import import_mooncake
+    from traces.model.trace import write_trace
 
     work = Path(tempfile.mkdtemp(prefix="replayer-gc-"))
     print(f"{'geometry':<27} {'gc':<9} {'start passes':>12} {'gc s':>6} {'cpu s':>6} "

@@ -55,9 +55,9 @@ def _du(path: Path) -> int:
 def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
     _setup()
     from traces import load_target
-    from replayer.replay import replay
-    from replayer.execution.in_process import engine_here
-    from replayer.store import StoreSpec
+    from replayer.replay.loop import replay
+    from replayer.replay.execution.in_process import engine_here
+    from replayer.replay.store import StoreSpec
 
     from replayer.recorder import scheduler as rec_sched
     from replayer.recorder import session as rec_session
@@ -127,8 +127,8 @@ def _fidelity(trace_dir: Path) -> str:
     code = ("import sys; sys.path.insert(0, %r); import os, logging; "
             "os.environ.setdefault('VLLM_LOGGING_LEVEL','ERROR'); "
             "logging.getLogger('vllm').setLevel(logging.ERROR); "
-            "from traces.trace import read_trace; from replayer.fidelity import check_against_recorded; "
-            "from replayer.store import StoreSpec; t = read_trace(%r); "
+            "from traces.model.trace import read_trace; from replayer.check.recorded import check_against_recorded; "
+            "from replayer.replay.store import StoreSpec; t = read_trace(%r); "
             "s = StoreSpec('memory') if t.engine.connector else None; "
             "lines, ok, _ = check_against_recorded(t, store=s); print(lines[0])") % (str(ROOT), str(trace_dir))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -149,9 +149,9 @@ def main() -> None:
         return
     source = public_trace.trace_path(args)
     _setup()
-    from traces.importers.mooncake import import_mooncake
-    from traces.scenario import compile_scenario
-    from traces.trace import write_trace
+    from traces.io.importers.mooncake import import_mooncake
+    from traces.scenarios.compile import compile_scenario
+    from traces.model.trace import write_trace
 
     tmp = Path(tempfile.mkdtemp(prefix="record-overhead-"))
     src = write_trace(import_mooncake(source, limit=args.requests, engine=ENGINE), tmp / "conv")
@@ -197,7 +197,7 @@ def main() -> None:
     store_trace = write_trace(compile_scenario(STORE_FIXTURE), tmp / "store")
     _run("record", store_trace, tmp / "store_rec")
     ops_dir = tmp / "store_rec" / "store_ops"
-    from traces.trace import read_trace
+    from traces.model.trace import read_trace
 
     n_ops = read_trace(tmp / "store_rec").store_ops.num_rows
     print(f"  store ops             {n_ops} ops in {_du(ops_dir)} bytes = "

@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replayer.live.configs import config  # noqa: E402
-from replayer.live.server import SERVE_VENV, SERVED_NAME, LiveError, Server  # noqa: E402
-from replayer.live.tokenizer import write_word_tokenizer  # noqa: E402
+from replayer.recorder.live.configs import config  # noqa: E402
+from replayer.recorder.live.server import SERVE_VENV, SERVED_NAME, LiveError, Server  # noqa: E402
+from replayer.recorder.live.tokenizer import write_word_tokenizer  # noqa: E402
 
 
 def bench(server: Server, tokenizer: Path, args, result: Path) -> dict:
@@ -80,7 +80,7 @@ def interleaved(servers: dict[str, Server], tokenizer: Path, work: Path, args) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="llama",
-                    help="served configuration (replayer/live/configs.py)")
+                    help="served configuration (replayer/recorder/live/configs.py)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=200, help="requests per round")
     ap.add_argument("--concurrency", type=int, default=4)

@@ -81,12 +81,12 @@ def _child(mode: str, trace_dir: str) -> dict:
     t0 = time.perf_counter()
     quiet_child()
     from traces import read_trace
-    from replayer.execution.clients import replay_on
+    from replayer.replay.execution.clients import replay_on
 
     trace = read_trace(trace_dir)
     digest = None
     if mode in MODES:
-        from replayer.report import dumps
+        from replayer.check.output import dumps
 
         result = replay_on(trace, shortcuts=MODES[mode])
         digest = hashlib.sha256(dumps(result).encode()).hexdigest()
@@ -142,8 +142,8 @@ def main() -> None:
     if repeat < 1:
         ap.error("--repeat must be at least 1")
     sys.path.insert(0, str(ROOT))
-    from traces.importers.mooncake import import_mooncake
-    from traces.trace import write_trace
+    from traces.io.importers.mooncake import import_mooncake
+    from traces.model.trace import write_trace
 
     slices = [1000] if args.quick else [1000, None]
     work = Path(tempfile.mkdtemp(prefix="replayer-bench-"))

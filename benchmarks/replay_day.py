@@ -5,7 +5,7 @@ times (``day_trace.py``: shifted arrivals, fresh prefixes; kept in ``--work``
 and reused by later runs), replays each in a fresh process as ``replayer run
 TRACE --json FILE`` does on the installed vLLM (the trace read with
 ``stream=True``: prompts batch by batch; outcomes streamed through
-``replay(sink=)`` into :class:`replayer.report.JsonStream`), and prints wall
+``replay(sink=)`` into :class:`replayer.check.output.JsonStream`), and prints wall
 seconds, x real time and peak RSS of both and the ratio of peak RSS.
 
 Mode ``read`` does the same without vLLM: what a replay reads and builds
@@ -48,10 +48,10 @@ def _stages(trace_dir: str, stream: bool) -> dict:
     """Each stage's peak RSS above what was held before it, in MB (Linux)."""
     import numpy as np
 
-    from replayer.replay import refuse_unsupported
-    from replayer.schedule import Schedule
+    from replayer.replay.loop import refuse_unsupported
+    from replayer.replay.schedule import Schedule
     from traces import read_trace
-    from traces.materialize import TokenSource, request_rows
+    from traces.model.materialize import TokenSource, request_rows
 
     figures: dict[str, float] = {}
     base = _status_mb("VmRSS")
@@ -102,9 +102,9 @@ def _child(mode: str, trace_dir: str) -> dict:
     if mode == "replay":
         # As `replayer run --json FILE` on the installed vLLM: prompts read in
         # batches, outcomes written as they complete.
-        from replayer.replay import replay
-        from replayer.report import JsonStream
-        from replayer.execution.in_process import engine_here
+        from replayer.replay.loop import replay
+        from replayer.check.output import JsonStream
+        from replayer.replay.execution.in_process import engine_here
         from traces import read_trace
 
         trace = read_trace(trace_dir, stream=True)

@@ -49,8 +49,8 @@ def quiet_store_child() -> None:
 def _child(backend: str, trace_dir: str) -> dict:
     t0 = time.perf_counter()
     quiet_store_child()
-    from replayer.execution.clients import replay_on
-    from replayer.store import StoreSpec
+    from replayer.replay.execution.clients import replay_on
+    from replayer.replay.store import StoreSpec
     from traces import read_trace
 
     # A pool larger than everything written: neither backend evicts, so both
@@ -77,8 +77,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=1000)
     args, source = public_trace.parse_or_run_child(ap, _child)
     sys.path.insert(0, str(ROOT))
-    from traces.importers.mooncake import import_mooncake
-    from traces.trace import write_trace
+    from traces.io.importers.mooncake import import_mooncake
+    from traces.model.trace import write_trace
 
     work = Path(tempfile.mkdtemp(prefix="replayer-store-bench-"))
     trace_dir = write_trace(import_mooncake(source, limit=args.limit, engine=ENGINE),

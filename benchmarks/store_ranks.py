@@ -34,8 +34,8 @@ from replay_store import ENGINE, POOL_BYTES, quiet_store_child  # noqa: E402  (s
 def _child(tp: str, trace_dir: str) -> dict:
     t0 = time.perf_counter()
     quiet_store_child()
-    from replayer.execution.clients import replay_on
-    from replayer.store import StoreSpec
+    from replayer.replay.execution.clients import replay_on
+    from replayer.replay.store import StoreSpec
     from traces import read_trace
 
     result = replay_on(read_trace(trace_dir), store=StoreSpec("memory", capacity_bytes=POOL_BYTES))
@@ -58,8 +58,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,2", help="tensor_parallel_size values")
     args, source = public_trace.parse_or_run_child(ap, _child)
     sys.path.insert(0, str(ROOT))
-    from traces.importers.mooncake import import_mooncake
-    from traces.trace import write_trace
+    from traces.io.importers.mooncake import import_mooncake
+    from traces.model.trace import write_trace
 
     work = Path(tempfile.mkdtemp(prefix="replayer-ranks-bench-"))
     print(f"{'tp':>3} {'ranks':>5} {'wall s':>7} {'vllm s':>7} {'store s':>8} {'store ops':>9} "

@@ -107,9 +107,9 @@ def explain_figures(runtime: Path, repeat: int) -> list[str]:
     sys.path.insert(0, str(ROOT))
     from traces import load_target
 
-    from replayer.execution.clients import make_client
-    from replayer.execution.environment import engine_env_defaults
-    from replayer.explain import explain
+    from replayer.replay.execution.clients import make_client
+    from replayer.replay.execution.environment import engine_env_defaults
+    from replayer.analysis.explain import explain
 
     trace = load_target(CONVERSATION)
     client = make_client("installed", own_process=True, env_defaults=engine_env_defaults())

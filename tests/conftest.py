@@ -42,7 +42,7 @@ def cli(*args: object, env: dict[str, str] | None = None, cwd: Path = REPO,
                           env=full, capture_output=True, text=True, timeout=timeout)
 
 
-# Logger state the CLI changes in the process it runs in (replayer.execution.environment).
+# Logger state the CLI changes in the process it runs in (replayer.replay.execution.environment).
 _CLI_LOGGERS = ("vllm", "prefix_replayer.recorder")
 # The interpreter's own warning filters (no -W, no PYTHONWARNINGS): what a fresh process shows.
 _FRESH_IGNORED = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
@@ -50,7 +50,7 @@ _FRESH_IGNORED = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, 
 
 def cli_here(*args: object, env: dict[str, str] | None = None,
              cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """``replayer.cli.main(ARGS)`` in this process, read like :func:`cli`'s result:
+    """``replayer.cli.main.main(ARGS)`` in this process, read like :func:`cli`'s result:
     ``returncode``, ``stdout`` and ``stderr`` (text).
 
     For commands that fail on bad input before any engine runs (bad YAML, options,
@@ -69,8 +69,7 @@ def cli_here(*args: object, env: dict[str, str] | None = None,
     propagates (a fresh process would have printed its traceback). A call that
     imports vLLM fails: that command replays, and belongs to :func:`cli`.
     """
-    from replayer import cli as cli_module
-
+    from replayer.cli import main as cli_module
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     environ = dict(os.environ)

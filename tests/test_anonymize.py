@@ -34,13 +34,13 @@ requests:
 
 
 def _hits(trace) -> dict[str, int]:
-    from replayer.execution.clients import replay_on
+    from replayer.replay.execution.clients import replay_on
 
     return {r.id: r.num_cached_tokens for r in replay_on(trace).requests}
 
 
 def test_anonymised_trace_keeps_hits_that_hinge_on_the_lookahead_token(tmp_path):
-    from replayer.anonymize import anonymize, default_unit
+    from replayer.analysis.anonymize import anonymize, default_unit
 
     path = tmp_path / "lookahead.yaml"
     path.write_text(textwrap.dedent(SCENARIO))
@@ -54,8 +54,8 @@ def test_anonymised_trace_keeps_hits_that_hinge_on_the_lookahead_token(tmp_path)
 
 
 def test_unit_stays_the_block_when_no_hash_looks_ahead(tmp_path):
-    from replayer.anonymize import default_unit
-    from traces.engine_spec import EngineBlock
+    from replayer.analysis.anonymize import default_unit
+    from traces.model.engine_spec import EngineBlock
 
     def unit(**settings) -> int:
         return default_unit(EngineBlock.from_dict("test", {

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from helpers_engines import git, init_repo
-from replayer.bisect import CommitLine
-from replayer.engines.releases import release_sources
+from replayer.compare.bisection import CommitLine
+from replayer.replay.engines.releases import release_sources
 
 MARKER = f".compiled-{sys.implementation.cache_tag}"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import textwrap
 
 from conftest import cli
-from traces.engine_spec import EngineBlock
+from traces.model.engine_spec import EngineBlock
 
 
 def sized(longest: int, **engine) -> EngineBlock:

@@ -56,7 +56,7 @@ def test_0290_checks_the_pair_against_its_own_goldens_and_says_each_note_once():
 
 def test_installed_and_release_0330_give_identical_output():
     """The same release from the wheel's sources replays exactly as the installed one."""
-    from replayer.execution.clients import engine_runner, replay_on
+    from replayer.replay.execution.clients import engine_runner, replay_on
 
     names = [*PAIR, "sliding_window", "reset_prefix_cache", "shared_system_prompt_hybrid"]
     traces = [load_target(SCENARIOS / f"{n}.yaml") for n in names]

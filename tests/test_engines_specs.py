@@ -16,10 +16,10 @@ import pytest
 from conftest import SCENARIOS, cli_here
 from helpers_engines import git, init_repo
 from helpers_traces import assert_bad_input
-from replayer.engines import EngineError, EngineInfo
-from replayer.engines.releases import releases_between, release_sources
-from replayer.engines.specs import parse_spec, resolve
-from replayer.engines.trees import git_identity
+from replayer.replay.engines import EngineError, EngineInfo
+from replayer.replay.engines.releases import releases_between, release_sources
+from replayer.replay.engines.specs import parse_spec, resolve
+from replayer.replay.engines.trees import git_identity
 
 FIXTURE = SCENARIOS / "vllm51295_turn1_24577.yaml"
 
@@ -218,7 +218,7 @@ def test_every_release_range_has_a_store_adapter_and_others_are_refused_plainly(
     """One store adapter serves 0.29-0.33 (its seams are the same there: see
     tests/test_store_releases.py); a release no store adapter serves is refused
     by name, before any vLLM import."""
-    from replayer.engines import (ADAPTERS, STORE_ADAPTERS, UnsupportedByEngine,
+    from replayer.replay.engines import (ADAPTERS, STORE_ADAPTERS, UnsupportedByEngine,
                                   check_connector)
 
     assert set(STORE_ADAPTERS) == set(ADAPTERS)
@@ -251,7 +251,7 @@ def test_connector_trace_without_goldens_for_a_release_is_not_replayed(tmp_path)
 
 
 def test_release_line_runs_from_good_to_bad():
-    from replayer.bisect import release_line
+    from replayer.compare.bisection import release_line
 
     assert releases_between("0.29.0", "0.31.0") == ["0.29.0", "0.30.0", "0.31.0"]
     assert release_line("vllm==0.29.0", "vllm==0.31.0") == [
@@ -265,8 +265,8 @@ def test_release_line_runs_from_good_to_bad():
 
 
 def _fake_result(index: int, cached: int):
-    from replayer.replay import ReplayResult
-    from traces.outcome import RequestOutcome
+    from replayer.replay.loop import ReplayResult
+    from traces.model.outcome import RequestOutcome
 
     req = RequestOutcome(id="r", arrival_step=0, num_prompt_tokens=100, num_cached_tokens=cached,
                          num_local_cached_tokens=cached, num_external_cached_tokens=0)
@@ -274,7 +274,7 @@ def _fake_result(index: int, cached: int):
 
 
 def test_search_finds_the_first_engine_that_differs_in_few_replays():
-    from replayer.bisect import search
+    from replayer.compare.bisection import search
 
     tried: list[int] = []
 
@@ -293,7 +293,7 @@ def test_search_finds_the_first_engine_that_differs_in_few_replays():
 
 
 def test_search_when_bad_matches_good():
-    from replayer.bisect import search
+    from replayer.compare.bisection import search
 
     res = search([0, 1, 2], lambda i: _fake_result(i, 64))
     assert res.first_bad is None
@@ -315,8 +315,8 @@ def test_bisect_prints_its_header_before_the_first_replay(tmp_path):
 def test_each_release_and_tree_gets_a_vllm_cache_of_its_own(tmp_path, monkeypatch):
     """vLLM's model-info cache is keyed by model class only: releases sharing one
     rewrote each other's files (a ~5 s inspection subprocess per replay)."""
-    from replayer.engines.specs import ResolvedEngine
-    from replayer.execution.child_process import engine_env
+    from replayer.replay.engines.specs import ResolvedEngine
+    from replayer.replay.execution.child_process import engine_env
 
     monkeypatch.setenv("PREFIX_REPLAYER_CACHE", str(tmp_path / "cache"))
     a = ResolvedEngine("vllm==0.29.0", EngineInfo("0.29.0", "release"), str(tmp_path / "a"))

@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO, cli
 from helpers_traces import assert_bad_input
 from traces import load_target
-from replayer.explain import CAUSES
-from replayer.explain import explain as explain_with
-from replayer.execution.clients import engine_runner
+from replayer.analysis.explain import CAUSES
+from replayer.analysis.explain import explain as explain_with
+from replayer.replay.execution.clients import engine_runner
 
 
 def explain(trace):
@@ -152,9 +152,9 @@ def test_set_changes_the_replay(tmp_path):
 def test_preemption_evidence_comes_from_the_adapter():
     """explain states that a preemption never changes a hit only where the
     engine's adapter says so (EngineAdapter.hits_are_first_prefill)."""
-    from replayer.engines.base import EngineInfo
-    from replayer.explain import preemption_evidence
-    from replayer.replay import ReplayResult
+    from replayer.replay.engines.base import EngineInfo
+    from replayer.analysis.explain import preemption_evidence
+    from replayer.replay.loop import ReplayResult
 
     said = ReplayResult(engine=EngineInfo(vllm="0.33.0"), requests=[], steps=0,
                         hits_are_first_prefill=True)

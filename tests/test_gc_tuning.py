@@ -1,7 +1,7 @@
 """The replay loop runs with fewer garbage-collector passes, and that changes nothing.
 
-:mod:`replayer.execution.gc_tuning` raises the young-generation threshold while
-:func:`replayer.replay.replay` runs and restores it after, even when the replay
+:mod:`replayer.replay.execution.gc_tuning` raises the young-generation threshold while
+:func:`replayer.replay.loop.replay` runs and restores it after, even when the replay
 fails; the outcomes are byte-identical to a loop under Python's own thresholds.
 """
 
@@ -12,10 +12,10 @@ import gc
 import pytest
 
 from conftest import TRACES
-from replayer.execution.gc_tuning import REPLAY_GEN0_THRESHOLD, REPLAY_GEN2_THRESHOLD, fewer_gc_passes
-from replayer.replay import ReplayError, replay
-from replayer.report import dumps
-from replayer.execution.in_process import engine_here
+from replayer.replay.execution.gc_tuning import REPLAY_GEN0_THRESHOLD, REPLAY_GEN2_THRESHOLD, fewer_gc_passes
+from replayer.replay.loop import ReplayError, replay
+from replayer.check.output import dumps
+from replayer.replay.execution.in_process import engine_here
 from test_schedule import FakeEngine, run
 from traces import load_target
 
@@ -74,7 +74,7 @@ def test_higher_thresholds_and_a_disabled_collector_are_kept(python_thresholds):
 
 def test_engine_is_built_under_the_raised_threshold(monkeypatch, python_thresholds):
     """vLLM's import and EngineCore's build (runner.engine_here) run with it too."""
-    import replayer.execution.in_process as runner
+    import replayer.replay.execution.in_process as runner
 
     seen = []
 

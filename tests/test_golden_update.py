@@ -1,6 +1,6 @@
 """``--update-golden`` rewrites goldens whole, readable, in place (no vLLM: fake replays).
 
-The update path is the replayer's own (:mod:`replayer.golden_check`); only the
+The update path is the replayer's own (:mod:`replayer.check.goldens`); only the
 replay is a stand-in, a :class:`ReplayResult` built here, so each YAML case
 runs in milliseconds.
 """
@@ -17,12 +17,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from replayer import golden_check
-from replayer.engines.base import EngineInfo
-from replayer.replay import ReplayResult
+from replayer.check import goldens as golden_check
+from replayer.replay.engines.base import EngineInfo
+from replayer.replay.loop import ReplayResult
 from traces import TraceError, load_target
-from traces.outcome import RequestOutcome
-from traces.trace import write_trace
+from traces.model.outcome import RequestOutcome
+from traces.model.trace import write_trace
 
 ENGINE = "engine: {block_size: 16}\n"
 STORE_ENGINE = "engine: {block_size: 16, connector: mooncake_store}\n"
@@ -211,8 +211,8 @@ def fake_engine_runner(result_for):
 
 
 def test_cli_update_error_exits_2_in_one_line(tmp_path, monkeypatch, capsys):
-    from replayer import cli
-    from replayer.execution import clients as runner
+    from replayer.cli import main as cli
+    from replayer.replay.execution import clients as runner
 
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_LOGGING_LEVEL", "TORCH_LOGS",
                  "GLOG_minloglevel", "MC_LOG_LEVEL", "MC_YLT_LOG_LEVEL"):

@@ -10,12 +10,12 @@ import pytest
 
 from conftest import FIXTURES, SCENARIOS, cli
 from helpers_traces import assert_bad_input
-from replayer.engines import UnsupportedByEngine, check_supported
+from replayer.replay.engines import UnsupportedByEngine, check_supported
 from replayer.recorder.header import _draft_group
-from replayer.execution.clients import replay_on as replay
+from replayer.replay.execution.clients import replay_on as replay
 from traces import load_target
-from traces.engine_spec import EngineBlock
-from traces.errors import TraceError
+from traces.model.engine_spec import EngineBlock
+from traces.model.errors import TraceError
 
 DRAFT_GROUP = SCENARIOS / "eagle_draft_group.yaml"
 CHUNKED = SCENARIOS / "chunked_local_attention.yaml"
@@ -138,7 +138,7 @@ def test_mamba_cache_mode_all_is_refused_where_vllm_removed_it():
 @pytest.mark.slow
 def test_mamba_cache_mode_all_keeps_every_block_state_on_0310(tmp_path):
     """'all' hits a mid-document prefix that 'align' cannot (one replay each on 0.31.0)."""
-    from replayer.execution.clients import engine_runner
+    from replayer.replay.execution.clients import engine_runner
 
     align = variant(tmp_path, MAMBA_ALL, "mamba_cache_mode: all", "mamba_cache_mode: align")
     with engine_runner("vllm==0.31.0") as run:

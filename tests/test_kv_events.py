@@ -16,14 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import SCENARIOS, cli
-from replayer import fidelity
-from replayer.golden_check import check
-from replayer.execution.clients import replay_on
+from replayer.check import recorded as fidelity
+from replayer.check.goldens import check
+from replayer.replay.execution.clients import replay_on
 from traces import load_target
-from traces.errors import TraceError
-from traces.event_goldens import EVENTS, compare_events, compress, from_rows
-from traces.scenario import compile_scenario
-from traces.trace import read_trace, write_trace
+from traces.model.errors import TraceError
+from traces.goldens.events import EVENTS, compare_events, compress, from_rows
+from traces.scenarios.compile import compile_scenario
+from traces.model.trace import read_trace, write_trace
 
 SPARSE = SCENARIOS / "kv_events_sparse_mamba.yaml"
 RESET = SCENARIOS / "reset_prefix_cache.yaml"

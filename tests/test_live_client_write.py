@@ -1,5 +1,5 @@
 """client.parquet (tools/record_live.py's client side) is written like every other
-file the tools write: through traces.atomic, so it gets the umask's mode, not
+file the tools write: through traces.io.atomic, so it gets the umask's mode, not
 mkstemp's 0600. No server: write_client is called with rows directly."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from replayer.live.client import CLIENT_FILE, read_client, write_client
+from replayer.recorder.live.client import CLIENT_FILE, read_client, write_client
 
 ROWS = [
     {"id": "a", "response_id": "cmpl-a-0-x", "num_prompt_tokens": 40, "cached_tokens": 0,

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, TRACES, cli
 
-from traces.trace import read_trace
+from traces.model.trace import read_trace
 
 LIVE = {name: TRACES / f"live_{name}" for name in ("llama", "eagle", "qwen3_next")}
 
@@ -38,7 +38,7 @@ def test_a_live_fixture_is_a_recording_of_a_cpu_server(name):
 
 @pytest.mark.parametrize("name", list(LIVE))
 def test_what_the_client_was_told_is_what_the_recorder_wrote(name):
-    from replayer.live.agreement import client_name
+    from replayer.recorder.live.agreement import client_name
 
     trace = read_trace(LIVE[name])
     client = client_rows(LIVE[name])

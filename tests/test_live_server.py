@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, TRACES
 
-from traces.trace import read_trace
+from traces.model.trace import read_trace
 
 pytestmark = pytest.mark.live_server
 
@@ -90,8 +90,8 @@ def test_live_recording_agrees_three_ways_on_every_request(serve_venv, tmp_path,
 
 def test_a_server_that_cannot_start_fails_in_one_line_with_its_log_tail(serve_venv, tmp_path):
     """A bad flag: vllm serve exits; the driver says so and shows the log's end."""
-    from replayer.live.configs import config
-    from replayer.live.server import LiveError, Server
+    from replayer.recorder.live.configs import config
+    from replayer.recorder.live.server import LiveError, Server
 
     cfg = config("llama")
     bad = type(cfg)(**{**cfg.__dict__, "serve_args": cfg.serve_args + ("--block-size", "7")})
@@ -111,10 +111,10 @@ def test_a_server_killed_with_kill_9_leaves_a_trace_that_reads_and_replays(serve
     import threading
     import time
 
-    from replayer.live.client import send_stream
-    from replayer.live.configs import config
-    from replayer.live.server import Server
-    from replayer.live.stream import mooncake_stream
+    from replayer.recorder.live.client import send_stream
+    from replayer.recorder.live.configs import config
+    from replayer.recorder.live.server import Server
+    from replayer.recorder.live.stream import mooncake_stream
 
     cfg = config("llama")
     out = tmp_path / "killed"
@@ -214,10 +214,10 @@ def test_a_full_disk_while_recording_stops_the_server_with_one_line(serve_venv, 
     import time
 
     from conftest import IN_CI
-    from replayer.live.client import send_stream
-    from replayer.live.configs import config
-    from replayer.live.server import Server
-    from replayer.live.stream import mooncake_stream
+    from replayer.recorder.live.client import send_stream
+    from replayer.recorder.live.configs import config
+    from replayer.recorder.live.server import Server
+    from replayer.recorder.live.stream import mooncake_stream
 
     if os.geteuid() != 0:
         if IN_CI:

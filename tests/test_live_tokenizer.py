@@ -1,9 +1,9 @@
-"""The word-level tokenizer for text clients of the tiny models (replayer/live/tokenizer.py)."""
+"""The word-level tokenizer for text clients of the tiny models (replayer/recorder/live/tokenizer.py)."""
 
 from __future__ import annotations
 
 from conftest import REPO
-from replayer.live.tokenizer import main, write_word_tokenizer
+from replayer.recorder.live.tokenizer import main, write_word_tokenizer
 
 MODEL = REPO / "replayer" / "models" / "tiny-llama"
 
@@ -20,7 +20,7 @@ def test_every_id_round_trips_through_text(tmp_path):
 
 def test_bad_arguments_exit_2_in_one_line(tmp_path, capsys):
     assert main([]) == 2
-    assert capsys.readouterr().err.startswith("usage: python -m replayer.live.tokenizer")
+    assert capsys.readouterr().err.startswith("usage: python -m replayer.recorder.live.tokenizer")
     assert main([str(tmp_path), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err == (f"{tmp_path}: no config.json (a model directory, "

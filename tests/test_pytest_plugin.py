@@ -1,4 +1,4 @@
-"""The pytest plugin (replayer/pytest_plugin.py), through real ``pytest`` runs in a
+"""The pytest plugin (replayer/pytest/plugin.py), through real ``pytest`` runs in a
 subprocess: what it collects (and where: ``replayer_paths`` or paths named on the
 command line), the CLI's report on a broken golden, --replayer-update-golden,
 markers, one engine process per xdist worker, and a foreign project's own options
@@ -28,14 +28,14 @@ STORE = FIXTURES / "store"
 
 
 def entry_point_installed() -> bool:
-    return any(ep.name == "replayer" and ep.value == "replayer.pytest_plugin"
+    return any(ep.name == "replayer" and ep.value == "replayer.pytest.plugin"
                for ep in metadata.entry_points(group="pytest11"))
 
 
 def run_pytest(*args: object, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
     """``python -m pytest ARGS`` in a fresh interpreter. Where this environment was
     installed before the entry point existed, the plugin is named with ``-p``."""
-    plugin = [] if entry_point_installed() else ["-p", "replayer.pytest_plugin"]
+    plugin = [] if entry_point_installed() else ["-p", "replayer.pytest.plugin"]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYTEST_", "_PREFIX_REPLAYER"))}
     return subprocess.run([sys.executable, "-m", "pytest", *plugin, "-p", "no:cacheprovider",
@@ -54,7 +54,7 @@ def test_the_entry_point_loads_the_plugin(tmp_path):
     entry_points.txt on the path), makes plain ``pytest fixtures/`` collect."""
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
     points = data["project"]["entry-points"]["pytest11"]
-    assert points == {"replayer": "replayer.pytest_plugin"}
+    assert points == {"replayer": "replayer.pytest.plugin"}
     assert "pytest-xdist" in " ".join(data["project"]["optional-dependencies"]["test"])
     if os.environ.get("CI") == "true":              # CI installs the package from this tree
         assert entry_point_installed()
@@ -185,7 +185,7 @@ def test_xdist_two_workers_one_engine_process_each(tmp_path):
     # Each pytest process (each worker) writes how many engine processes it started.
     (tmp_path / "conftest.py").write_text(
         "import os\n"
-        "from replayer.pytest_plugin import _POOL\n"
+        "from replayer.pytest.plugin import _POOL\n"
         "def pytest_sessionfinish(session):\n"
         "    worker = os.environ.get('PYTEST_XDIST_WORKER', 'main')\n"
         "    pool = session.config.stash[_POOL]\n"

@@ -12,7 +12,7 @@ import textwrap
 import time
 
 from traces import load_target
-from traces.trace import read_trace
+from traces.model.trace import read_trace
 
 from conftest import REPO
 
@@ -21,7 +21,7 @@ RECORD = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {repo!r})
     from traces import load_target
-    from replayer import fidelity
+    from replayer.check import recorded as fidelity
     fidelity.record_replay(load_target({src!r}), {out!r})
 """)
 
@@ -67,7 +67,7 @@ def test_kill_9_mid_recording_keeps_running_requests_and_replays(tmp_path):
     assert running, "the kill left no request running"
     assert any("still running when the recording ended" in note for note in trace.notes)
 
-    from replayer.execution.clients import replay_on
+    from replayer.replay.execution.clients import replay_on
 
     replayed = {r.id: r.as_dict() for r in replay_on(trace).requests}
     assert set(replayed) == set(trace.requests["id"].to_pylist())
@@ -84,7 +84,7 @@ def test_kill_9_mid_recording_keeps_running_requests_and_replays(tmp_path):
             compared += 1
     assert compared >= 10
 
-    from replayer.fidelity import check_against_recorded
+    from replayer.check.recorded import check_against_recorded
 
     lines, _, _ = check_against_recorded(trace)
     if len(lines) > 1:        # differences at the cut end are said to be expected

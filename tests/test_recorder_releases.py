@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from conftest import STORE_SCENARIOS, cli
-from replayer.engines.releases import KNOWN_RELEASES
-from replayer.engines.specs import resolve
-from replayer.execution.child_process import engine_env, write_overlay
+from replayer.replay.engines.releases import KNOWN_RELEASES
+from replayer.replay.engines.specs import resolve
+from replayer.replay.execution.child_process import engine_env, write_overlay
 from replayer.recorder import releases
 
 RESEND = STORE_SCENARIOS / "resend_after_reset.yaml"
@@ -139,10 +139,10 @@ def test_the_tested_releases_are_the_ones_the_replay_runs():
 def test_a_recording_on_each_older_release_round_trips_with_its_store_ops(version, tmp_path):
     """#56615's resends through the MooncakeStore connector, recorded on the release
     (keys, lookups and the reset included), then `check --against recorded` there."""
-    from traces.trace import read_trace
+    from traces.model.trace import read_trace
 
-    from replayer import fidelity
-    from replayer.store import StoreSpec
+    from replayer.check import recorded as fidelity
+    from replayer.replay.store import StoreSpec
     from traces import load_target
 
     rec = tmp_path / "rec"

@@ -15,11 +15,11 @@ import pyarrow.compute as pc
 import pytest
 
 from conftest import SCENARIOS, STORE_SCENARIOS, TRACES, cli
-from replayer import fidelity
-from replayer.store import StoreSpec
+from replayer.check import recorded as fidelity
+from replayer.replay.store import StoreSpec
 from traces import load_target
-from traces.schema import OUTCOME_FIELDS
-from traces.trace import Trace, read_trace, write_trace
+from traces.model.schema import OUTCOME_FIELDS
+from traces.model.trace import Trace, read_trace, write_trace
 
 FIXTURES = sorted(SCENARIOS.glob("*.yaml")) + sorted(STORE_SCENARIOS.glob("*.yaml")) + sorted(
     p for p in TRACES.iterdir() if p.is_dir())
@@ -79,7 +79,7 @@ def test_replay_of_the_recording_matches_it(recordings, name):
 
 
 def test_anonymized_recording_replays_to_the_same_outcomes(recordings, tmp_path):
-    from replayer.anonymize import anonymize, default_unit
+    from replayer.analysis.anonymize import anonymize, default_unit
 
     for name in ("vllm51295_turn1_24577", "resend_after_reset", "conversation_500"):
         trace = read_trace(recordings[name][1])

@@ -14,10 +14,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from traces import schema
-from traces.errors import TraceError
-from traces.trace import read_trace
-from traces.writer import PartWriter, pack_tokens, part_name
+from traces.model import schema
+from traces.model.errors import TraceError
+from traces.model.trace import read_trace
+from traces.io.parts import PartWriter, pack_tokens, part_name
 
 from conftest import REPO, cli
 
@@ -106,8 +106,8 @@ def test_a_second_run_into_the_same_directory_is_refused(tmp_path):
 WRITER_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
-    from traces import schema
-    from traces.writer import PartWriter
+    from traces.model import schema
+    from traces.io.parts import PartWriter
     w = PartWriter({out!r}, schema.REQUESTS, max_rows=50)
     i = 0
     while True:

@@ -177,8 +177,7 @@ def test_header_int_1e30(tmp_path):
 def _golden(out, name: str, ids: list[str], engine: str) -> None:
     rows = [{"id": i, "num_prompt_tokens": 1, "num_cached_tokens": 0,
              "num_local_cached_tokens": 0, "num_external_cached_tokens": 0} for i in ids]
-    from traces import schema
-
+    from traces.model import schema
     table = pa.Table.from_pylist(rows, schema=schema.GOLDEN.arrow_schema())
     pq.write_table(table.replace_schema_metadata({"engine": engine}), out / "golden" / name)
 
@@ -323,7 +322,7 @@ def test_import_onto_an_existing_trace_needs_force(tmp_path):
 
 
 def test_stale_temporaries_of_a_killed_import_are_cleaned_and_skipped(tmp_path):
-    from replayer.cli import _expand_targets
+    from replayer.cli.main import _expand_targets
 
     folder = tmp_path / "fixtures"
     make_trace_dir(folder, "conv")
@@ -348,7 +347,7 @@ def test_outputs_get_the_users_umask(tmp_path):
     assert stat.S_IMODE((tmp_path / "OUT").stat().st_mode) == 0o755
     assert stat.S_IMODE((tmp_path / "OUT" / "header.json").stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "OUT" / "golden" / "*.parquet").stat().st_mode) == 0o644
-    from traces.atomic import write_atomic
+    from traces.io.atomic import write_atomic
 
     old = os.umask(0o027)
     try:
@@ -369,9 +368,8 @@ def _enospc(*args, **kwargs):
 def test_a_failed_flush_is_logged_at_once_and_fails_the_stop(tmp_path, monkeypatch, caplog):
     import time
 
-    from traces import schema
-    from traces import writer as w
-
+    from traces.model import schema
+    from traces.io import parts as w
     monkeypatch.setattr(w, "write_part", _enospc)
     pw = w.PartWriter(tmp_path / "rec", schema.STEPS, max_rows=1)
     pw.append({"step": 0, "id": "a", "num_scheduled_tokens": 5, "num_accepted_tokens": None})
@@ -387,8 +385,7 @@ def test_a_failed_flush_is_logged_at_once_and_fails_the_stop(tmp_path, monkeypat
 
 def test_every_table_gets_its_last_flush_when_one_fails(tmp_path, monkeypatch):
     from replayer.recorder.session import SchedulerSession
-    from traces import writer as w
-
+    from traces.io import parts as w
     real = w.write_part
 
     def fail_steps(folder, table, rank, seq):
@@ -410,7 +407,7 @@ def test_every_table_gets_its_last_flush_when_one_fails(tmp_path, monkeypatch):
 
 def test_recording_into_a_used_directory_is_refused(tmp_path):
     from replayer.recorder.session import SchedulerSession, StoreSession
-    from traces.writer import RecordingError
+    from traces.io.parts import RecordingError
 
     out = make_trace_dir(tmp_path, "old")
     before = _snapshot(out)
@@ -443,7 +440,7 @@ def read_only_dir(tmp_path):
 
 def test_recording_into_a_read_only_directory_is_one_line(read_only_dir):
     from replayer.recorder.session import SchedulerSession
-    from traces.writer import RecordingError
+    from traces.io.parts import RecordingError
 
     with pytest.raises(RecordingError) as info:
         SchedulerSession(str(read_only_dir / "rec"))

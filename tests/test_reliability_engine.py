@@ -18,7 +18,7 @@ from helpers_traces import REPO, SMALL_SCENARIO, assert_bad_input, cli, write_te
 
 RAISE_ENOSPC = """
 import errno, os
-import traces.writer as w
+import traces.io.parts as w
 def full(folder, *a):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
 w.write_part = full
@@ -37,15 +37,15 @@ def full_disk(tmp_path, monkeypatch):
         subprocess.run(["umount", str(path)], check=True)
     else:
         exec(RAISE_ENOSPC, {})                       # this process: the library test
-        import traces.writer as w
+        import traces.io.parts as w
         monkeypatch.setattr(w, "write_part", w.write_part)
         yield path, {}, RAISE_ENOSPC
 
 
 def test_disk_full_at_the_last_flush_fails_the_recording(tmp_path, full_disk):
-    from replayer.fidelity import record_replay
-    from traces.scenario import compile_scenario
-    from traces.writer import RecordingError
+    from replayer.check.recorded import record_replay
+    from traces.scenarios.compile import compile_scenario
+    from traces.io.parts import RecordingError
 
     where, _, _ = full_disk
     trace = compile_scenario(write_text(tmp_path / "s.yaml", SMALL_SCENARIO))
@@ -56,18 +56,18 @@ def test_disk_full_at_the_last_flush_fails_the_recording(tmp_path, full_disk):
 
 
 def test_disk_full_through_the_cli_is_exit_2_and_one_line(tmp_path, full_disk):
-    from replayer.fidelity import record_replay
-    from traces.scenario import compile_scenario
+    from replayer.check.recorded import record_replay
+    from traces.scenarios.compile import compile_scenario
 
     _, env, preamble = full_disk
     src = write_text(tmp_path / "s.yaml", SMALL_SCENARIO)
     if preamble:                 # the fixture patched this process too: record without it
         import importlib
 
-        import traces.writer as w
+        import traces.io.parts as w
         importlib.reload(w)
     record_replay(compile_scenario(src), tmp_path / "rec")     # a whole recording
-    script = preamble + ("import sys\nfrom replayer.cli import main\n"
+    script = preamble + ("import sys\nfrom replayer.cli.main import main\n"
                          f"sys.exit(main(['check', '--against', 'recorded', {str(tmp_path / 'rec')!r}]))\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
                           text=True, timeout=600, env={**os.environ, **env})
@@ -83,7 +83,7 @@ def test_disk_full_through_the_cli_is_exit_2_and_one_line(tmp_path, full_disk):
      "'sha256', 'sha256_cbor', 'xxhash' or 'xxhash_cbor'"),
 ])
 def test_vllm_config_errors_name_the_field_and_file(tmp_path, capsys, engine, needle):
-    from replayer.cli import main
+    from replayer.cli.main import main
 
     src = write_text(tmp_path / "cfg.yaml", f"engine: {engine}\nrequests:\n"
                                             "  - {id: a, prompt: {stream: s, len: 10}}\n")

@@ -10,10 +10,10 @@ import textwrap
 import pytest
 
 from conftest import FIXTURES, MOONCAKE_TRACE as CONVERSATION, SCENARIOS, TRACES, cli
-from replayer.execution.clients import replay_on as replay
+from replayer.replay.execution.clients import replay_on as replay
 from traces import load_target
-from traces.scenario import compile_scenario
-from traces.trace import read_trace, write_trace
+from traces.scenarios.compile import compile_scenario
+from traces.model.trace import read_trace, write_trace
 
 
 def by_id(result):
@@ -105,8 +105,8 @@ def test_reset_prefix_cache_event_empties_the_cache():
 
 
 def test_progress_bar_only_when_enabled():
-    from replayer.progress import ProgressBar
-    from replayer.replay import Progress
+    from replayer.cli.progress import ProgressBar
+    from replayer.replay.loop import Progress
 
     shown = io.StringIO()
     bar = ProgressBar(stream=shown, delay=0, interval=0, enabled=True)
@@ -244,7 +244,7 @@ def test_engine_that_cannot_hold_one_request_is_bad_input(tmp_path):
 def test_group_hits_explain_which_group_stopped_the_hit():
     """Sparse Mamba retention: attention alone could serve the shared system
     prompt, Mamba has no state there, so the hybrid hit is Mamba's."""
-    from replayer.report import explain_groups
+    from replayer.check.output import explain_groups
 
     result = replay(load_target(SCENARIOS / "shared_system_prompt_hybrid.yaml"))
     assert result.kv_groups == [

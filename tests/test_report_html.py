@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from conftest import REPO, cli
-from replayer.sweep import comparable, parse_grid, run_sweep
+from replayer.analysis.sweep import comparable, parse_grid, run_sweep
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",

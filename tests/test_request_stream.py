@@ -14,8 +14,8 @@ import pytest
 
 from conftest import TRACES, cli
 from traces import TraceError, read_trace, request_stream, write_trace
-from traces.materialize import TokenSource
-from traces.scenario import compile_scenario
+from traces.model.materialize import TokenSource
+from traces.scenarios.compile import compile_scenario
 
 VOCAB = 32000
 
@@ -146,9 +146,9 @@ def _scenario(tmp_path):
 def test_streamed_replay_is_the_same_bytes(tmp_path, monkeypatch):
     """Several row groups and batches, an after chain through a late row, events:
     the streamed replay writes the whole replay's --json bytes."""
-    from replayer.replay import replay
-    from replayer.report import JsonStream, dumps
-    from replayer.execution.in_process import engine_here
+    from replayer.replay.loop import replay
+    from replayer.check.output import JsonStream, dumps
+    from replayer.replay.execution.in_process import engine_here
 
     _small_batches(monkeypatch, 5)
     path = _scenario(tmp_path)

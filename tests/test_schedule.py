@@ -1,6 +1,6 @@
 """The step clock's rules, on a fake engine: no vLLM, milliseconds per test.
 
-:func:`replayer.replay.replay` is a pure loop over the engine it is handed, so
+:func:`replayer.replay.loop.replay` is a pure loop over the engine it is handed, so
 these drive it with :class:`FakeEngine`, which logs every call and finishes a
 request ``output_len`` steps after it entered (the first of them its prefill).
 """
@@ -11,11 +11,11 @@ import textwrap
 
 import pytest
 
-from replayer.engines.base import (EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome,
+from replayer.replay.engines.base import (EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome,
                                    StepResult)
-from replayer.replay import MAX_IDLE_STEPS, MIN_STUCK_STEPS, ReplayError, replay
-from replayer.schedule import Schedule
-from traces.scenario import compile_scenario
+from replayer.replay.loop import MAX_IDLE_STEPS, MIN_STUCK_STEPS, ReplayError, replay
+from replayer.replay.schedule import Schedule
+from traces.scenarios.compile import compile_scenario
 
 
 class FakeEngine(EngineAdapter):

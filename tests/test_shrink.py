@@ -146,10 +146,10 @@ def _one_error_line(proc) -> str:
 def probing(server, scenario: Path, prop):
     """``scenario`` as a shrink Case, and a Prober for ``prop`` on the server's
     engines (a probe as a shrink counts it: a replay that cannot finish loses)."""
-    from replayer.execution.clients import make_client
-    from replayer.shrink.case import Case
-    from replayer.shrink.prop import Prober
-    from traces.scenario import compile_scenario
+    from replayer.replay.execution.clients import make_client
+    from replayer.analysis.shrink.case import Case
+    from replayer.analysis.shrink.prop import Prober
+    from traces.scenarios.compile import compile_scenario
 
     with pytest.MonkeyPatch.context() as mp:
         for k, v in server.env.items():
@@ -199,7 +199,7 @@ def test_planted_51295_pair_shrinks_to_two_requests(server, tmp_path):
         assert check.returncode == 0, check.stdout + check.stderr
     diff = server.cli("diff", out, "--engine", "vllm==0.29.0", "--engine", "installed")
     assert diff.returncode == 1, diff.stdout + diff.stderr
-    from replayer.shrink.prop import Differ
+    from replayer.analysis.shrink.prop import Differ
 
     prop = Differ("vllm==0.29.0", "installed", "outcomes", "turn2")
     assert still_holds_without_each(server, out, prop) == []
@@ -223,7 +223,7 @@ def test_planted_56615_resend_keeps_its_reset_event(server, tmp_path):
     for engine in ("vllm==0.31.0", "installed"):
         check = server.cli("check", out, "--engine", engine)
         assert check.returncode == 0, check.stdout + check.stderr
-    from replayer.shrink.prop import Differ
+    from replayer.analysis.shrink.prop import Differ
 
     prop = Differ("vllm==0.31.0", "installed", "outcomes", "turn2")
     assert still_holds_without_each(server, out, prop) == []
@@ -254,7 +254,7 @@ def test_lost_by_capacity_keeps_the_loss_and_is_deterministic(server, tmp_path):
     focus = next(new for new, old in (part.split(" = ") for part in data["description"]
                  .split("Ids in the input: ")[1].rstrip(". \n").split(", ")) if old == "b")
     assert rows[focus]["lost"]["capacity"] >= 256
-    from replayer.shrink.prop import LostBy
+    from replayer.analysis.shrink.prop import LostBy
 
     prop = LostBy(focus, "capacity", 256, "installed")
     assert still_holds_without_each(server, tmp_path / "one.yaml", prop) == []

@@ -8,10 +8,10 @@ import textwrap
 import pytest
 
 from conftest import SCENARIOS
-from replayer.execution.clients import replay_on as replay
+from replayer.replay.execution.clients import replay_on as replay
 from traces import load_target
-from traces.engine_spec import EngineBlock
-from traces.errors import TraceError
+from traces.model.engine_spec import EngineBlock
+from traces.model.errors import TraceError
 
 
 def hits(result):

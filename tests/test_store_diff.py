@@ -12,12 +12,12 @@ import json
 
 import pytest
 
-from replayer.bisect import PREDICATES, probe_line, search
-from replayer.diff import compare_results, diff_table
-from replayer.engines import EngineError, EngineInfo
-from replayer.replay import ReplayResult
-from replayer.store_diff import MAX_LINES, compare_stores, store_lines
-from traces.outcome import RequestOutcome
+from replayer.compare.bisection import PREDICATES, probe_line, search
+from replayer.compare.outcomes import compare_results, diff_table
+from replayer.replay.engines import EngineError, EngineInfo
+from replayer.replay.loop import ReplayResult
+from replayer.compare.store import MAX_LINES, compare_stores, store_lines
+from traces.model.outcome import RequestOutcome
 
 
 def _put(request: str, group: int, boundary: int, key: str | None = None) -> dict:

@@ -7,10 +7,10 @@ import ctypes
 import numpy as np
 import pytest
 
-from replayer.store.codes import OBJECT_NOT_FOUND, code_name
-from replayer.store.memory import MemoryStore
-from replayer.store.recording import RecordingStore, key_group, key_hash
-from replayer.store.spec import parse_size, parse_store_spec
+from replayer.replay.store.codes import OBJECT_NOT_FOUND, code_name
+from replayer.replay.store.memory import MemoryStore
+from replayer.replay.store.recording import RecordingStore, key_group, key_hash
+from replayer.replay.store.spec import parse_size, parse_store_spec
 
 
 def buf(values):

@@ -21,7 +21,7 @@ from ruamel.yaml import YAML
 
 from conftest import STORE_SCENARIOS, cli, cli_here
 from helpers_traces import assert_bad_input, listing
-from traces.store_goldens import STORE, compare_store, from_report, from_table, to_table
+from traces.goldens.store import STORE, compare_store, from_report, from_table, to_table
 
 TP2 = STORE_SCENARIOS / "resend_after_reset_tp2.yaml"
 DCP2 = STORE_SCENARIOS / "resend_after_reset_dcp2.yaml"
@@ -100,7 +100,7 @@ def test_bad_rank_goldens(body, needle):
 
 
 def test_store_diff_compares_rank_by_rank():
-    from replayer.store_diff import compare_stores, store_lines
+    from replayer.compare.store import compare_stores, store_lines
 
     a = {"backend": "memory", "lookups": [],
          "rows": [_put(0, "a", 1, 7296, 0), _put(1, "a", 1, 7296, 1)]}
@@ -239,10 +239,10 @@ def test_a_failed_load_ends_the_request_or_is_retried_by_policy(tmp_path):
 def test_a_recording_at_tp2_compares_rank_by_rank(tmp_path):
     import pyarrow.parquet as pq
 
-    from replayer import fidelity
-    from replayer.store import StoreSpec
+    from replayer.check import recorded as fidelity
+    from replayer.replay.store import StoreSpec
     from traces import load_target
-    from traces.trace import read_trace
+    from traces.model.trace import read_trace
 
     rec = tmp_path / "rec"
     fidelity.record_replay(load_target(LOST), rec, store=StoreSpec("memory"))
@@ -334,7 +334,7 @@ def test_bad_store_fault_in_a_trace_directory(tmp_path, row, column, needle):
     import pyarrow.parquet as pq
 
     from helpers_traces import make_trace_dir
-    from traces.schema import EVENTS
+    from traces.model.schema import EVENTS
 
     trace = make_trace_dir(tmp_path)
     full = {"after": None, "at_step": 0, "action": "store_fault", "target": None,
@@ -351,7 +351,7 @@ def test_a_fault_on_a_rank_the_trace_does_not_run_stops_the_replay(tmp_path):
     import pyarrow.parquet as pq
 
     from helpers_traces import make_trace_dir
-    from traces.schema import EVENTS
+    from traces.model.schema import EVENTS
 
     trace = make_trace_dir(tmp_path, scenario=ENGINE.replace(", tensor_parallel_size: 2", "")
                            + REQS)

@@ -14,13 +14,13 @@ import time
 import pytest
 
 from conftest import STORE_SCENARIOS, cli
-from replayer.golden_check import observed
-from replayer.execution.clients import replay_on as replay
-from replayer.store import StoreSpec
-from replayer.store.master import MasterProcess
+from replayer.check.goldens import observed
+from replayer.replay.execution.clients import replay_on as replay
+from replayer.replay.store import StoreSpec
+from replayer.replay.store.master import MasterProcess
 from traces import load_target
-from traces.goldens import compare, select
-from traces.store_goldens import STORE, compare_store
+from traces.goldens.outcomes import compare, select
+from traces.goldens.store import STORE, compare_store
 
 pytestmark = pytest.mark.real_master
 
@@ -75,7 +75,7 @@ def test_check_cli_starts_its_own_master():
 
 
 def test_unreachable_master_fails_fast_and_writes_nothing(tmp_path):
-    from replayer.store.master import free_port
+    from replayer.replay.store.master import free_port
 
     scenario = tmp_path / "s.yaml"
     shutil.copy(STORE_SCENARIOS / "shared_prefix_junction.yaml", scenario)
@@ -94,8 +94,8 @@ def test_unreachable_master_fails_fast_and_writes_nothing(tmp_path):
 
 def test_master_killed_mid_replay_stops_with_the_store_and_step(tmp_path, monkeypatch,
                                                                 capsys):
-    from replayer import cli as cli_mod
-    from replayer.progress import ProgressBar
+    from replayer.cli import main as cli_mod
+    from replayer.cli.progress import ProgressBar
 
     victim = MasterProcess()
     scenario = tmp_path / "s.yaml"

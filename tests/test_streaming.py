@@ -1,5 +1,5 @@
 """A replay that hands its outcomes on as they complete (``sink``) and writes
-``--json`` as it goes (:class:`replayer.report.JsonStream`) writes the same
+``--json`` as it goes (:class:`replayer.check.output.JsonStream`) writes the same
 bytes as one that keeps every outcome, and keeps none itself."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import io
 import pytest
 
 from conftest import SCENARIOS, STORE_SCENARIOS, TRACES
-from replayer.replay import replay
-from replayer.report import JsonStream, dumps
-from replayer.execution.in_process import engine_here
+from replayer.replay.loop import replay
+from replayer.check.output import JsonStream, dumps
+from replayer.replay.execution.in_process import engine_here
 from traces import load_target
 
 TARGETS = [TRACES / "conversation_500", SCENARIOS / "reset_prefix_cache.yaml",
@@ -46,7 +46,7 @@ def test_streamed_json_is_the_same_bytes(path):
 
 
 def test_cli_json_file_is_spooled_and_the_same(tmp_path):
-    """``run --json FILE`` streams outcomes to a spool (replayer.report.SpooledJson)
+    """``run --json FILE`` streams outcomes to a spool (replayer.check.output.SpooledJson)
     and writes the bytes ``--json -`` prints from the whole result, with the same
     run table (its first and last 20 rows of 500)."""
     from conftest import cli

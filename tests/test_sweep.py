@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, cli
 from helpers_traces import assert_bad_input
-from replayer.sweep import comparable, parse_grid, run_sweep
+from replayer.analysis.sweep import comparable, parse_grid, run_sweep
 
 SCENARIO = """\
 engine: {block_size: 16, num_gpu_blocks: 24, max_num_seqs: 2, max_num_batched_tokens: 512}

@@ -20,7 +20,7 @@ from ruamel.yaml import YAML
 
 from conftest import SCENARIOS, STORE_SCENARIOS, cli, cli_here
 from helpers_traces import assert_bad_input, listing, make_trace_dir
-from traces.store_goldens import STORE, compare_store, from_report, from_table, to_table
+from traces.goldens.store import STORE, compare_store, from_report, from_table, to_table
 
 EVICT = SCENARIOS / "evict_request.yaml"
 EVICT_GROUP = SCENARIOS / "evict_group_hybrid.yaml"
@@ -92,7 +92,7 @@ def test_bad_event_in_a_scenario(tmp_path, case):
      "keys", "store_remove names unknown request 'zz'"),
 ])
 def test_bad_event_in_a_trace_directory(tmp_path, row, column, needle):
-    from traces.schema import EVENTS
+    from traces.model.schema import EVENTS
 
     trace = make_trace_dir(tmp_path)
     full = {"after": None, "at_step": 0, "target": None, "group": None, "keys": None, **row}
@@ -238,8 +238,8 @@ def test_gets_round_trip_and_compare():
 def test_an_engine_without_evict_says_so():
     from types import SimpleNamespace
 
-    from replayer.engines.base import UnsupportedByEngine
-    from replayer.engines.block_evict import BlockEvictor
+    from replayer.replay.engines.base import UnsupportedByEngine
+    from replayer.replay.engines.block_evict import BlockEvictor
 
     scheduler = SimpleNamespace(kv_cache_manager=SimpleNamespace(block_pool=None),
                                 kv_cache_config=SimpleNamespace(kv_cache_groups=[]))

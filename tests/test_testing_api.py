@@ -1,4 +1,4 @@
-"""replayer.testing: typed outcomes for a user's own tests (function and pytest fixture)."""
+"""replayer.pytest.testing: typed outcomes for a user's own tests (function and pytest fixture)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ PAIR = REPO / "fixtures" / "scenarios" / "vllm51295_turn1_24577.yaml"
 
 
 def test_replay_returns_typed_outcomes_by_id():
-    from replayer.testing import replay
+    from replayer.pytest.testing import replay
 
     result = replay(PAIR)
     assert list(result) == ["turn1", "turn2"]

@@ -10,8 +10,8 @@ from helpers_traces import make_trace_dir
 
 _IMPORTS = (
     "import sys, json\n"
-    "import traces, traces.scenario, traces.importers.mooncake, traces.materialize\n"
-    "import traces.trace, traces.validate, traces.tokens, traces.goldens, traces.engine_spec\n"
+    "import traces, traces.scenarios.compile, traces.io.importers.mooncake, traces.model.materialize\n"
+    "import traces.model.trace, traces.model.validate, traces.model.tokens, traces.goldens.outcomes, traces.model.engine_spec\n"
     "print(json.dumps(sorted(m for m in sys.modules\n"
     "                        if m.split('.')[0] in ('vllm', 'torch'))))\n"
 )
@@ -32,7 +32,7 @@ def test_info_reads_a_trace_without_vllm(tmp_path):
     trace = make_trace_dir(tmp_path)
     code = (
         "import sys, json, io, contextlib\n"
-        "from replayer.cli import main\n"
+        "from replayer.cli.main import main\n"
         "buf = io.StringIO()\n"
         "with contextlib.redirect_stdout(buf):\n"
         f"    rc = main(['info', {str(trace)!r}])\n"

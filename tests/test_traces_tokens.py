@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from traces.tokens import block_tokens, stream_seed, stream_tokens
+from traces.model.tokens import block_tokens, stream_seed, stream_tokens
 
 V = 32000
 
@@ -84,7 +84,7 @@ def test_pinned_values():
 
 _CHILD = (
     "import json\n"
-    "from traces.tokens import stream_tokens, block_tokens\n"
+    "from traces.model.tokens import stream_tokens, block_tokens\n"
     "print(json.dumps([stream_tokens('doc', 100, 300, 32000).tolist(),\n"
     "                  block_tokens([3, 1, 4], 512, 1500, 32000).tolist()]))\n"
 )

@@ -93,8 +93,8 @@ def test_warm_is_byte_identical_to_cold_whatever_the_shell_seed_and_after_50_rep
     # 50 replays of other fixtures, on two engines, in the same server ...
     from traces import load_target
 
-    from replayer.engines import UnsupportedByEngine
-    from replayer.execution.clients import make_client
+    from replayer.replay.engines import UnsupportedByEngine
+    from replayer.replay.execution.clients import make_client
 
     others = [load_target(p) for p in sorted(SCENARIOS.glob("*.yaml"))]
     os.environ["PREFIX_REPLAYER_RUNTIME_DIR"] = str(server.root)
@@ -205,8 +205,8 @@ def test_the_socket_is_the_users_own(server):
 def test_a_stale_engine_is_restarted_and_said_in_one_line(server, monkeypatch, capfd):
     from traces import load_target
 
-    from replayer.execution.clients import make_client
-    from replayer.execution.warm import client as warm_client
+    from replayer.replay.execution.clients import make_client
+    from replayer.replay.execution.warm import client as warm_client
 
     monkeypatch.setenv("PREFIX_REPLAYER_RUNTIME_DIR", str(server.root))
     client = make_client("installed", own_process=True)
@@ -231,7 +231,7 @@ def test_a_server_that_cannot_answer_means_a_cold_replay_with_one_line(tmp_path)
         env = {"PREFIX_REPLAYER_RUNTIME_DIR": str(root), "PREFIX_REPLAYER_NO_SERVER": ""}
         os.environ.update(env)
         try:
-            from replayer.execution.warm import paths
+            from replayer.replay.execution.warm import paths
 
             where = paths.private_dir(paths.runtime_dir())
             dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -251,7 +251,7 @@ def test_a_server_that_cannot_answer_means_a_cold_replay_with_one_line(tmp_path)
 
 
 def test_no_server_opts_out(server, monkeypatch):
-    from replayer.execution.clients import make_client
+    from replayer.replay.execution.clients import make_client
 
     monkeypatch.setenv("PREFIX_REPLAYER_RUNTIME_DIR", str(server.root))
     assert type(make_client("installed", own_process=True)).__name__ == "WarmClient"

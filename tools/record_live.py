@@ -23,12 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replayer.live.agreement import agree  # noqa: E402
-from replayer.live.client import send_stream, write_client  # noqa: E402
-from replayer.live.configs import CONFIGS, config  # noqa: E402
-from replayer.live.server import LiveError, Server  # noqa: E402
-from replayer.live.store_plan import MASTER_KEYS_FILE, run_plan  # noqa: E402
-from replayer.live.stream import mooncake_stream  # noqa: E402
+from replayer.recorder.live.agreement import agree  # noqa: E402
+from replayer.recorder.live.client import send_stream, write_client  # noqa: E402
+from replayer.recorder.live.configs import CONFIGS, config  # noqa: E402
+from replayer.recorder.live.server import LiveError, Server  # noqa: E402
+from replayer.recorder.live.store_plan import MASTER_KEYS_FILE, run_plan  # noqa: E402
+from replayer.recorder.live.stream import mooncake_stream  # noqa: E402
 
 
 def new_recording(args) -> tuple[Path, Path] | None:

@@ -4,9 +4,9 @@ Imports no vLLM: a trace can be read, inspected and converted on a machine
 without it.
 """
 
-from .errors import TraceError
-from .schema import SCHEMA_VERSION
-from .trace import Trace, read_trace, write_trace
+from traces.model.errors import TraceError
+from traces.model.schema import SCHEMA_VERSION
+from traces.model.trace import Trace, read_trace, write_trace
 
 __all__ = ["SCHEMA_VERSION", "Trace", "TraceError", "read_trace", "write_trace", "load_target"]
 
@@ -17,7 +17,7 @@ def load_target(path, *, stream=False):
     (:func:`read_trace`)."""
     from pathlib import Path
 
-    from .scenario import compile_scenario, is_scenario_path
+    from traces.scenarios.compile import compile_scenario, is_scenario_path
 
     p = Path(path)
     if is_scenario_path(p):

@@ -14,6 +14,6 @@ Recording is on when :data:`RECORD_ENV` (or ``kv_connector_extra_config``'s
 the plain vLLM classes' behaviour.
 """
 
-from .session import RECORD_ENV, record_dir
+from replayer.recorder.session import RECORD_ENV, record_dir
 
 __all__ = ["RECORD_ENV", "record_dir"]

@@ -1,7 +1,7 @@
 """A recorded trace's header, read from the live vLLM config objects.
 
 The engine block uses the same names the replayer builds vLLM from
-(:mod:`traces.engine_spec`), so a recording replays on the geometry it ran
+(:mod:`traces.model.engine_spec`), so a recording replays on the geometry it ran
 with: KV-cache groups and block sizes as vLLM resolved them, hash algorithm
 and ``PYTHONHASHSEED``, scheduler budgets, speculative decoding, connector.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from traces import schema
-from traces.engine_spec import CONNECTOR_CONFIG_KEYS, EngineBlock
+from traces.model import schema
+from traces.model.engine_spec import CONNECTOR_CONFIG_KEYS, EngineBlock
 
 CONNECTORS = {"MooncakeStoreConnector": "mooncake_store"}
 

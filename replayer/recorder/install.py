@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .session import CONFIG_KEY
+from replayer.recorder.session import CONFIG_KEY
 
 
 def install_recorder(vllm_config: Any, out: str) -> None:
-    from .scheduler import recording_scheduler_class
+    from replayer.recorder.scheduler import recording_scheduler_class
 
     sched = vllm_config.scheduler_config
     sched.scheduler_cls = recording_scheduler_class(str(out), bool(sched.async_scheduling))

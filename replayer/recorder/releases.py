@@ -19,7 +19,7 @@ import logging
 import re
 from types import ModuleType
 
-from .hooks import missing_hooks
+from replayer.recorder.hooks import missing_hooks
 
 RECORD_ENV = "PREFIX_REPLAYER_RECORD_DIR"
 

@@ -26,7 +26,7 @@ calls so far, the replayer's clock):
 * ``kv_events``: where the server publishes KV-cache events
   (``--kv-events-config '{"enable_kv_cache_events": true, ...}'``), every
   block of every batch the scheduler publishes, named by group, boundary and
-  first request (:mod:`replayer.kv_event_collector`, which stands in front of
+  first request (:mod:`replayer.replay.kv_events`, which stands in front of
   the configured publisher and hands every batch on to it).
 """
 
@@ -40,11 +40,11 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from traces.schema import OUTCOME_FIELDS
-from traces.writer import pack_tokens
+from traces.model.schema import OUTCOME_FIELDS
+from traces.io.parts import pack_tokens
 
-from .header import recorded_header
-from .session import SchedulerSession, check_release, record_dir, write_header
+from replayer.recorder.header import recorded_header
+from replayer.recorder.session import SchedulerSession, check_release, record_dir, write_header
 
 
 _RANDOM_SUFFIX = re.compile(r"^(?P<external>.+)-[0-9a-f]{8}$")
@@ -184,9 +184,9 @@ class SchedulerRecorder:
         cfg = getattr(scheduler, "kv_events_config", None)
         if cfg is None or not cfg.enable_kv_cache_events:
             return
-        from traces.schema import KV_EVENTS
+        from traces.model.schema import KV_EVENTS
 
-        from ..kv_event_collector import KvEventCollector
+        from replayer.replay.kv_events import KvEventCollector
 
         writer = self.session.add_table(KV_EVENTS)
         # Published in update_from_output, after schedule() moved the clock on.

@@ -16,15 +16,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from traces import schema
-from traces.atomic import write_atomic
-from traces.trace import header_json
-from traces.writer import PartWriter, RecordingError, close_all
+from traces.model import schema
+from traces.io.atomic import write_atomic
+from traces.model.trace import header_json
+from traces.io.parts import PartWriter, RecordingError, close_all
 
-from .releases import RECORD_ENV, check_release, log  # noqa: F401 (re-exported)
+from replayer.recorder.releases import RECORD_ENV, check_release, log  # noqa: F401 (re-exported)
 
 # Seconds a row may wait in memory before its part is written: what a kill
-# can lose (default traces.writer.DEFAULT_MAX_SECONDS).
+# can lose (default traces.io.parts.DEFAULT_MAX_SECONDS).
 FLUSH_ENV = "PREFIX_REPLAYER_RECORD_FLUSH_SECONDS"
 CONFIG_KEY = "recorder_dir"
 # Block hash -> (boundary, request) entries kept for the store's boundary

@@ -1,0 +1,317 @@
+"""Where the hits went: reachable vs actual per request, the loss split by cause.
+
+``reachable`` comes from the trace alone (:mod:`traces.model.reachable`); ``actual``
+from the replay. The gap is split into causes by counterfactual replays, each
+through the normal replay entry point and each changing one thing on top of
+the previous one, so the causes telescope and add up exactly:
+
+1. capacity: the same trace with a KV cache large enough that nothing is
+   ever evicted;
+2. store (a trace with a connector) or reset: without its
+   ``reset_prefix_cache`` events and targeted ``evict`` / ``store_remove`` /
+   ``store_fault`` events (what the store should have given back);
+3. eagle_drop: without speculative decoding (the EAGLE/MTP drop and its
+   lookahead block hashes);
+4. sparse_retention: ``prefix_cache_retention_interval: null`` (vLLM's dense
+   checkpoints for Mamba and sliding-window groups);
+
+then what the last replay still misses of the reachable prefix floored to
+vLLM's ``cache_hit_alignment_tokens`` is split by vLLM's own per-group
+lookup (``find_longest_cache_hit_per_group``) on that replay: a Mamba group
+that stopped short is sparse retention (state not kept there), a
+sliding-window group is the window; what no cause explains is
+``unexplained``, reported, never folded into another cause. ``alignment``
+is the reachable prefix minus that floor. ``preemption`` is measured as
+what vLLM itself reports: where the adapter says its release keeps a
+request's first scheduled prefill in ``prefill_stats`` ("not post-preemption
+repeat prefills"; ``EngineAdapter.hits_are_first_prefill``), a preemption
+never changes a reported hit; what a preempted request's freed blocks cost
+others is eviction, counted as capacity.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from math import ceil
+from typing import Any, Callable
+
+import polars as pl
+
+from traces import Trace
+from traces.model.errors import TraceError
+from traces.model.engine_spec import RETAIN_DENSE
+from traces.model.reachable import Clock, prefix_match_unit, reachable_hits
+from traces.scenarios.what_if import with_sets
+
+from replayer.replay.loop import ReplayResult
+
+CAUSES = ("capacity", "store", "reset", "eagle_drop", "sparse_retention", "sliding_window",
+          "alignment", "preemption", "unexplained")
+
+Replayer = Callable[[Trace], ReplayResult]
+
+#: Events that empty the GPU cache or the store, or make the store fail: one
+#: counterfactual removes them all.
+EMPTYING_EVENTS = ("reset_prefix_cache", "evict", "store_remove", "store_fault")
+
+
+@dataclass(frozen=True)
+class Counterfactual:
+    """One change on top of the previous replay, and the cause it measures."""
+
+    cause: str
+    change: str
+    evidence: str
+    apply: Callable[[Trace], Trace]
+
+
+def _with_engine(trace: Trace, sets: list[str]) -> Trace:
+    """The trace under its engine block changed as ``--set`` would change it."""
+    return with_sets(trace, sets)
+
+
+def unbounded_blocks(trace: Trace) -> int:
+    """KV blocks for every token of every request at once, in every group."""
+    engine = trace.sized_engine()
+    sizes = [g.block_size for g in engine.kv_groups]
+    smallest = min(sizes)
+    n_spec = engine.num_speculative_tokens
+    rq = trace.requests
+    total = sum(ceil((p + o + n_spec + 1) / smallest) + 1
+                for p, o in zip(rq["num_prompt_tokens"].to_pylist(), rq["output_len"].to_pylist()))
+    return max(int(engine.num_gpu_blocks), total * len(sizes) + 64)
+
+
+def counterfactuals(trace: Trace) -> list[Counterfactual]:
+    """The chain of replays this trace needs (steps that change nothing are left out)."""
+    engine = trace.engine
+    steps = []
+    blocks = unbounded_blocks(trace)
+    if blocks > trace.sized_engine().num_gpu_blocks:
+        steps.append(Counterfactual(
+            "capacity", f"num_gpu_blocks={blocks} (room for every request at once)",
+            "replay with a KV cache that never evicts minus the baseline replay",
+            lambda t: _with_engine(t, [f"engine.num_gpu_blocks={blocks}"])))
+    events = trace.events
+    actions = events["action"].to_pylist() if events is not None else []
+    emptying = [a for a in EMPTYING_EVENTS if a in actions]
+    if emptying:
+        # Targeted evict / store_remove events empty the cache (or store) as a
+        # reset does: they leave with the resets, before any rule that changes
+        # which keys are written (a store_remove names keys the baseline wrote).
+        keep = [a not in EMPTYING_EVENTS for a in actions]
+        connector = bool(engine.connector)
+        cause = "store" if connector else "reset"
+        named = ", ".join(emptying)
+        evidence = (f"replay without the {named} events minus the previous: what the "
+                    "store did not give back after a reset (a lookup missed or a key was not "
+                    "written)" if connector else
+                    f"replay without the {named} events minus the previous")
+
+        def drop_resets(t: Trace, keep=keep) -> Trace:
+            ev = t.events.filter(keep) if any(keep) else None
+            return replace(t, events=ev)
+        steps.append(Counterfactual(cause, f"{named} events removed", evidence,
+                                    drop_resets))
+    if engine.speculative is not None:
+        steps.append(Counterfactual(
+            "eagle_drop", "speculative decoding removed",
+            "replay without speculative decoding minus the previous (the EAGLE/MTP drop and "
+            "its lookahead block hashes)",
+            lambda t: _with_engine(t, ["engine.speculative=null"])))
+    kinds = {g.kind for g in engine.kv_groups}
+    # Omitted, the interval is vLLM's default (0 in 0.33: only the latest boundary).
+    if (kinds & {"mamba", "sliding_window"}
+            and engine.prefix_cache_retention_interval != RETAIN_DENSE):
+        steps.append(Counterfactual(
+            "sparse_retention", "prefix_cache_retention_interval: null (dense checkpoints)",
+            "replay with dense Mamba/SWA checkpoints minus the previous, plus what vLLM's "
+            "per-group lookup (find_longest_cache_hit_per_group) shows a Mamba group could not "
+            "serve on the last replay",
+            lambda t: _with_engine(t, ["engine.prefix_cache_retention_interval=null"])))
+    return steps
+
+
+@dataclass
+class Explanation:
+    """Per-request accounting and how each cause was measured."""
+
+    engine: Any                         # traces.model.engine_spec.EngineBlock
+    unit: int
+    hit_alignment: int
+    table: pl.DataFrame                 # one row per request, arrival order
+    evidence: dict[str, str]
+    replays: list[dict[str, Any]]       # baseline then each counterfactual: change, summary
+    baseline: ReplayResult
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def totals(self) -> dict[str, int]:
+        return {c: int(self.table[f"lost_{c}"].sum()) for c in CAUSES}
+
+    def summary(self) -> dict[str, Any]:
+        prompt = int(self.table["num_prompt_tokens"].sum())
+        reach = int(self.table["reachable"].sum())
+        actual = int(self.table["actual"].sum())
+        return {"requests": self.table.height, "prompt_tokens": prompt, "reachable": reach,
+                "actual": actual,
+                "reachable_rate": round(reach / prompt, 6) if prompt else 0.0,
+                "hit_rate": round(actual / prompt, 6) if prompt else 0.0,
+                "lost": self.totals(), "steps": self.baseline.steps}
+
+    def as_dict(self) -> dict[str, Any]:
+        reqs = []
+        for r in self.table.iter_rows(named=True):
+            reqs.append({"id": r["id"], "reachable": r["reachable"], "actual": r["actual"],
+                         "reachable_from": r["reachable_from"],
+                         "lost": {c: r[f"lost_{c}"] for c in CAUSES}})
+        return {"engine": self.baseline.engine.as_dict(), "prefix_match_unit": self.unit,
+                "hit_alignment": self.hit_alignment, "evidence": self.evidence,
+                "replays": self.replays, "requests": reqs, "summary": self.summary()}
+
+    def dumps(self) -> str:
+        return json.dumps(self.as_dict(), indent=2) + "\n"
+
+
+def _clock(result: ReplayResult) -> Clock:
+    """Who could see whose prefix in this replay: the order of vLLM's lookups.
+
+    Falls back to arrival order and the replay clock for adapters that do not
+    report their lookups."""
+    rows = result.requests
+    if result.lookups is None:
+        return Clock(order=[r.id for r in rows],
+                     step={r.id: r.arrival_step for r in rows},
+                     finish_step={r.id: (None if r.aborted else r.finish_step) for r in rows})
+    never = (1 << 62, 0)                      # aborted before any lookup: last
+    order = sorted((result.lookups.get(r.id, never), k, r.id) for k, r in enumerate(rows))
+    done = result.finished_engine_step
+    return Clock(order=[rid for _, _, rid in order],
+                 step={rid: at[0] for at, _, rid in order},
+                 finish_step={r.id: (None if r.aborted else done.get(r.id)) for r in rows})
+
+
+def _cached(result: ReplayResult) -> dict[str, int]:
+    return {r.id: int(r.num_cached_tokens or 0) for r in result.requests}
+
+
+def preemption_evidence(result: ReplayResult) -> str:
+    """Why preemption is 0, from what the engine's adapter says of its hits."""
+    if result.hits_are_first_prefill:
+        return ("the engine reports a request's first scheduled prefill (vLLM's "
+                "prefill_stats skips post-preemption repeat prefills), so a preemption never "
+                "changes a reported hit; blocks it freed and others lost count as capacity")
+    return ("this engine's adapter does not say whether a preemption's repeat prefill can "
+            "change a reported hit, so preemption is not measured (0); blocks it freed and "
+            "others lost count as capacity")
+
+
+def _limiting_kind(request: Any, kv_groups: list[dict[str, Any]] | None,
+                   actual: int, target: int) -> str:
+    """Which cause vLLM's per-group lookup names for a hit short of ``target``."""
+    hits = request.group_hits
+    if not hits or not kv_groups:
+        return "unexplained"
+    low = min(hits)
+    kinds = {g["kind"] for g, h in zip(kv_groups, hits) if h == low}
+    if low >= target:
+        return "unexplained"
+    if "mamba" in kinds:
+        return "sparse_retention"
+    if "sliding_window" in kinds:
+        return "sliding_window"
+    return "unexplained"
+
+
+def refuse_unexplainable(trace: Trace) -> None:
+    """A geometry whose hits are not prefix reuse has no reachable hits to explain."""
+    if any(g.kind == "chunked_local" for g in trace.engine.kv_groups):
+        raise TraceError(trace.path, "explain cannot account for a chunked_local group: vLLM "
+                         "counts the tokens before the current attention chunk as computed "
+                         "without any cache, so reachable hits are not defined for it "
+                         "(run and check replay it)")
+
+
+def explain(trace: Trace, run: Replayer, *,
+            progress: Callable[[str], None] | None = None,
+            run_many: Callable[[list[Trace]], list[ReplayResult]] | None = None) -> Explanation:
+    """Replay ``trace`` and its counterfactuals with ``run`` (a runner from
+    :func:`replayer.replay.execution.clients.engine_runner`: the one way an engine opens) and
+    account for every lost token. ``run_many``: replays a list of traces at
+    once (the warm server's forks); the counterfactual traces never depend on
+    a replay's outcome, so every replay can start together and the result is
+    the same as one after the other."""
+    refuse_unexplainable(trace)
+    say = progress or (lambda _msg: None)
+    steps = counterfactuals(trace)
+    if run_many is not None:
+        chain = [trace]
+        for step in steps:
+            chain.append(step.apply(chain[-1]))
+        say(f"{len(chain)} replays at once")
+        done = iter(run_many(chain))
+        base = next(done)
+    else:
+        say("baseline replay")
+        base = run(trace)
+    reach = reachable_hits(trace, _clock(base))
+    unit = prefix_match_unit(trace.engine)
+    align = int(base.hit_alignment or unit)
+    ids = reach["id"].to_list()
+    actual = _cached(base)
+    prev = actual
+    lost: dict[str, dict[str, int]] = {c: dict.fromkeys(ids, 0) for c in CAUSES}
+    evidence: dict[str, str] = {}
+    replays = [{"change": "baseline (the trace as given)", "summary": base.summary()}]
+    current = trace
+    last = base
+    for step in steps:
+        if run_many is not None:
+            last = next(done)
+        else:
+            say(f"counterfactual: {step.change}")
+            current = step.apply(current)
+            last = run(current)
+        now = _cached(last)
+        for rid in ids:
+            lost[step.cause][rid] += now[rid] - prev[rid]
+        prev = now
+        evidence[step.cause] = step.evidence
+        replays.append({"change": step.change, "cause": step.cause, "summary": last.summary()})
+    by_id = last.by_id()
+    for rid, r in zip(ids, reach["reachable"].to_list()):
+        floor = (r // align) * align
+        lost["alignment"][rid] = r - floor
+        gap = floor - prev[rid]
+        if gap:
+            cause = _limiting_kind(by_id[rid], last.kv_groups, prev[rid], floor) if gap > 0 \
+                else "unexplained"
+            lost[cause][rid] += gap
+    evidence["alignment"] = (f"the reachable prefix minus its floor to vLLM's "
+                             f"cache_hit_alignment_tokens ({align})")
+    kinds = {g.kind for g in trace.engine.kv_groups}
+    evidence.setdefault("sparse_retention", (
+        "what vLLM's per-group lookup (find_longest_cache_hit_per_group) on the last replay "
+        "shows a Mamba group could not serve" if "mamba" in kinds
+        else "no Mamba or sliding-window group in this geometry: nothing to measure"))
+    evidence["sliding_window"] = (
+        "what vLLM's per-group lookup on the last replay shows a sliding-window group could "
+        "not serve" if "sliding_window" in kinds
+        else "no sliding-window group in this geometry: nothing to measure")
+    evidence["preemption"] = preemption_evidence(base)
+    evidence["unexplained"] = ("reachable minus actual minus every cause above; nonzero is a "
+                               "finding")
+    evidence.setdefault("capacity", "the KV cache already holds every request at once: "
+                                    "nothing is ever evicted")
+    for c in ("store", "reset", "eagle_drop"):
+        evidence.setdefault(c, "no such rule in this geometry or trace: nothing to measure")
+    why = base.by_id()
+    frame = reach.with_columns(
+        pl.Series("actual", [actual[i] for i in ids], dtype=pl.Int64),
+        pl.Series("arrival_step", [why[i].arrival_step for i in ids], dtype=pl.Int64),
+        *[pl.Series(f"lost_{c}", [lost[c][i] for i in ids], dtype=pl.Int64) for c in CAUSES])
+    frame = frame.select("id", "arrival_step", "num_prompt_tokens", "reachable", "actual",
+                         *[f"lost_{c}" for c in CAUSES], "reachable_from")
+    return Explanation(engine=trace.engine, unit=unit, hit_alignment=align, table=frame,
+                       evidence={c: evidence[c] for c in CAUSES}, replays=replays,
+                       baseline=base)

@@ -1,0 +1,7 @@
+"""Verdicts: does a replay match what it should?
+
+:mod:`.goldens` compares a replay with a target's goldens (and rewrites them
+under ``--update-golden``), :mod:`.recorded` with what a recording recorded
+(``check --against recorded``), :mod:`.output` prints run and check results as
+text and JSON. It imports ``traces`` and :mod:`replayer.replay`, never the CLI.
+"""

@@ -1,0 +1,193 @@
+"""Replaying a recording and comparing it with what the recording itself saw.
+
+``replayer check --against recorded TRACE`` replays a recorded trace with the
+recorder installed (:mod:`replayer.recorder`) into a scratch directory, so
+the replay's observations come out in exactly the recording's tables, and
+compares them table by table: per-request outcomes, the schedule (steps),
+and the store's keys. It is the first check to run on a new recording: a
+difference means the replay does not reproduce production, before any
+golden is looked at.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from traces import Trace
+from traces.model.errors import TraceError
+from traces.model.trace import read_trace
+
+from traces.model.schema import OUTCOME_FIELDS
+
+from replayer.replay.loop import ReplayResult
+from replayer.replay.engines.specs import INSTALLED
+from replayer.replay.execution.clients import replay_on
+
+# Store operations compared by key (puts, gets, lookups); their order across a
+# worker's threads and the step a put completes in are not the replay's to pin.
+STORE_OPS_COMPARED = ("lookup", "put", "get")
+MAX_LINES = 10
+
+
+def record_replay(trace: Trace, out_dir: str | Path, store: Any = None,
+                  spec: Any = INSTALLED) -> ReplayResult:
+    """Replay ``trace`` on ``spec`` (the installed vLLM, or a release the recorder
+    hooks: 0.32) with the recorder writing to ``out_dir``."""
+    return replay_on(trace, spec, store=store, record_dir=str(out_dir))
+
+
+def _rows(table, cols: tuple[str, ...]) -> list[tuple]:
+    if table is None:
+        return []
+    data = [table[c].to_pylist() if c in table.column_names else [None] * table.num_rows
+            for c in cols]
+    return list(zip(*data))
+
+
+def _op_outcome(row: tuple) -> tuple:
+    """A store op as compared: a get's result is the bytes it read, which depend on
+    the model's KV layout; the replay's null model (a seam) has KV tensors of its
+    own size, so a get is compared by what it did (read: 1, nothing: 0, an error
+    code: itself), every other op by its result; keys without the model's name;
+    each on the worker rank that did it (a recording before ranks: rank 0)."""
+    op, key, group, result, rank = row
+    if op == "get" and result is not None and result > 0:
+        result = 1
+    return (op, _keyed_by_rest(key), group, result, rank or 0)
+
+
+def _keyed_by_rest(key: str | None) -> str | None:
+    """A store key without its first field, the served model's directory name
+    (``tiny-qwen3-next@tp_rank:0@...@group:G@<hash>``): the replay's model is a
+    seam of its own, so keys are compared on ranks, group and block hash."""
+    if key is None or "@" not in key:
+        return key
+    return "*@" + key.split("@", 1)[1]
+
+
+def _chunks(table) -> dict[str, list[tuple]]:
+    per: dict[str, list[tuple]] = {}
+    for _, rid, n, acc in _rows(table, ("step", "id", "num_scheduled_tokens",
+                                        "num_accepted_tokens")):
+        per.setdefault(rid, []).append((n, acc))
+    return per
+
+
+def load_shifted(recorded: Trace, fresh: Trace) -> int:
+    """Requests a live server scheduled later than the replay, with every request's
+    chunks the same: with a KV connector that loads asynchronously, a request waits
+    for its store load on the worker's clock (a thread finishing a copy), which no
+    replay reproduces step for step. 0 when the schedules differ otherwise, or the
+    trace has no connector."""
+    if not recorded.engine.connector or recorded.steps is None or fresh.steps is None:
+        return 0
+    if _chunks(recorded.steps) != _chunks(fresh.steps):
+        return 0
+    first = lambda t: {rid: step for step, rid in  # noqa: E731
+                       reversed(_rows(t, ("step", "id")))}
+    a, b = first(recorded.steps), first(fresh.steps)
+    return sum(1 for rid in a if a[rid] != b.get(rid))
+
+
+def compare(recorded: Trace, fresh: Trace) -> list[str]:
+    """Differences between a recording and a replay of it, one line each."""
+    diffs: list[str] = []
+    cols = ("id", *OUTCOME_FIELDS)
+    want = {r[0]: r for r in _rows(recorded.outcomes, cols)}
+    got = {r[0]: r for r in _rows(fresh.outcomes, cols)}
+    for rid, row in want.items():
+        other = got.get(rid)
+        if other is None:
+            diffs.append(f"outcome of {rid}: recorded, but the replay never prefilled it")
+            continue
+        for name, a, b in zip(cols[1:], row[1:], other[1:]):
+            if a != b:
+                diffs.append(f"outcome of {rid}: {name} recorded {a}, replayed {b}")
+    for rid in got.keys() - want.keys():
+        diffs.append(f"outcome of {rid}: replayed, but not in the recording")
+    if recorded.steps is not None:
+        scols = ("step", "id", "num_scheduled_tokens", "num_accepted_tokens")
+        a, b = _rows(recorded.steps, scols), _rows(fresh.steps, scols)
+        if a != b and not load_shifted(recorded, fresh):
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            x = a[first] if first < len(a) else None
+            y = b[first] if first < len(b) else None
+            diffs.append(f"steps: {len(a)} recorded rows, {len(b)} replayed; first difference at "
+                         f"row {first}: recorded {x}, replayed {y}")
+    diffs += _compare_kv_events(recorded, fresh)
+    if recorded.store_ops is not None:
+        ocols = ("op", "key", "group", "result", "rank")
+        keep = lambda rows: Counter(_op_outcome(r) for r in rows  # noqa: E731
+                                    if r[0] in STORE_OPS_COMPARED)
+        a, b = keep(_rows(recorded.store_ops, ocols)), keep(_rows(fresh.store_ops, ocols))
+        if (recorded.header.get("source") or {}).get("anonymized"):
+            a = Counter((op, g, r, k) for (op, _, g, r, k), n in a.items() for _ in range(n))
+            b = Counter((op, g, r, k) for (op, _, g, r, k), n in b.items() for _ in range(n))
+        for row, n in sorted((a - b).items(), key=str)[:MAX_LINES]:
+            diffs.append(f"store: recorded {row[0]} {row[1:-1]} x{n} on rank {row[-1]} "
+                         "not in the replay")
+        for row, n in sorted((b - a).items(), key=str)[:MAX_LINES]:
+            diffs.append(f"store: replayed {row[0]} {row[1:-1]} x{n} on rank {row[-1]} "
+                         "not in the recording")
+    return diffs
+
+
+def _compare_kv_events(recorded: Trace, fresh: Trace) -> list[str]:
+    """The KV-cache events, block by block in published order (hashes too, unless
+    the recording was anonymised)."""
+    if recorded.kv_events is None:
+        return []
+    cols = ("step", "event", "group", "boundary", "kept", "request")
+    if not (recorded.header.get("source") or {}).get("anonymized"):
+        cols += ("hash",)
+    order = lambda t: t.sort_by("order") if t is not None else None  # noqa: E731
+    a, b = _rows(order(recorded.kv_events), cols), _rows(order(fresh.kv_events), cols)
+    if a == b:
+        return []
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    x = a[first] if first < len(a) else None
+    y = b[first] if first < len(b) else None
+    return [f"kv_events: {len(a)} recorded block(s), {len(b)} replayed; first difference at "
+            f"row {first}: recorded {x}, replayed {y}"]
+
+
+def check_against_recorded(trace: Trace, store: Any = None,
+                           spec: Any = INSTALLED) -> tuple[list[str], bool, ReplayResult]:
+    """Replay a recorded trace and compare; (report lines, matched, the replay)."""
+    if trace.outcomes is None:
+        raise TraceError(trace.path or "trace", "has no outcomes table: --against recorded "
+                                                "needs a recorded trace")
+    scratch = Path(tempfile.mkdtemp(prefix="replayer-fidelity-"))
+    try:
+        result = record_replay(trace, scratch / "trace", store=store, spec=spec)
+        fresh = read_trace(scratch / "trace")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    diffs = compare(trace, fresh)
+    n_out = trace.outcomes.num_rows
+    parts = [f"{n_out} outcome(s)"]
+    if trace.steps is not None:
+        parts.append(f"{trace.steps.num_rows} step row(s)")
+    if trace.store_ops is not None:
+        parts.append(f"{trace.store_ops.num_rows} store op(s)")
+    if trace.kv_events is not None:
+        parts.append(f"{trace.kv_events.num_rows} kv event block(s)")
+    shifted = load_shifted(trace, fresh)        # > 0: some first step moved
+    if shifted:
+        parts.append(f"the same chunks per request, {shifted} request(s) first scheduled at "
+                     "another step (waiting on an asynchronous store load)")
+    what = ", ".join(parts)
+    if not diffs:
+        return [f"replay matches the recording: {what}"], True, result
+    lines = [f"replay differs from the recording ({what}): {len(diffs)} difference(s)"]
+    lines += [f"  {d}" for d in diffs[:MAX_LINES]]
+    if len(diffs) > MAX_LINES:
+        lines.append(f"  ... {len(diffs) - MAX_LINES} more")
+    if trace.skipped_parts or trace.notes:
+        lines.append("  (the recording was cut short: each table lost its last unflushed "
+                     "rows, so differences near its end are expected)")
+    return lines, False, result

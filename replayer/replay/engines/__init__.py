@@ -1,0 +1,167 @@
+"""Choosing the adapter for the vLLM that will run the replay.
+
+Each adapter module serves one release range and holds every difference of
+that range; nothing outside ``replayer.replay.engines`` names a vLLM class. Which
+vLLM runs is an engine spec (:mod:`.specs`): the installed one runs in this
+process; a release or a source tree runs in a child process whose
+``sys.path`` puts its sources first (:mod:`replayer.replay.execution.child_process`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+from traces.model.engine_spec import EngineBlock
+
+from replayer.replay.engines.base import (EngineAdapter, EngineError, EngineInfo, EngineRequest, PrefillOutcome,
+                   StepResult, UnsupportedByEngine)
+
+if TYPE_CHECKING:
+    from replayer.replay.engines.specs import ResolvedEngine
+
+# release prefix -> adapter module (consecutive prefixes of one module form a range)
+ADAPTERS: dict[str, str] = {
+    "0.29": "replayer.replay.engines.vllm_0_29",
+    "0.30": "replayer.replay.engines.vllm_0_29",
+    "0.31": "replayer.replay.engines.vllm_0_29",
+    "0.32": "replayer.replay.engines.vllm_0_29",
+    "0.33": "replayer.replay.engines.vllm_0_33",
+}
+
+
+# release prefix -> store adapter module, for releases whose MooncakeStore API
+# the replay drives. One module serves 0.29-0.33: what its seams touch (the
+# scheduler's LookupKeyClient, the lookup server's call into the worker, the
+# wire encoding, the worker's queues, the key format) is the same in all five;
+# what changed between them (where the worker puts boundary keys, #56615) is
+# vLLM code the replay runs as it is. A release range whose seams differ gets
+# its own module here.
+STORE_ADAPTERS: dict[str, str] = {
+    "0.29": "replayer.replay.engines.mooncake_0_33",
+    "0.30": "replayer.replay.engines.mooncake_0_33",
+    "0.31": "replayer.replay.engines.mooncake_0_33",
+    "0.32": "replayer.replay.engines.mooncake_0_33",
+    "0.33": "replayer.replay.engines.mooncake_0_33",
+}
+
+
+def check_connector(version: str, connector: str | None, label: str) -> None:
+    """Refuse a connector trace on a release no store adapter serves (no vLLM import)."""
+    if connector and not any(version == p or version.startswith(p + ".")
+                             for p in STORE_ADAPTERS):
+        served = ", ".join(f"{p}.x" for p in STORE_ADAPTERS)
+        raise UnsupportedByEngine(f"{label}: connector replay ({connector}) is not supported "
+                                  f"on vLLM {version} yet (its MooncakeStore API differs; "
+                                  f"replayed on {served})")
+
+
+# release prefix -> the Mamba cache modes its CacheConfig takes beyond align and
+# none: "all" (every block's state cached) is 0.29-0.31's; 0.32 removed it.
+MAMBA_CACHE_MODE_ALL: tuple[str, ...] = ("0.29", "0.30", "0.31")
+
+
+def _in(version: str, prefixes) -> bool:
+    return any(version == p or version.startswith(p + ".") for p in prefixes)
+
+
+def check_supported(version: str, engine: EngineBlock, label: str) -> None:
+    """Refuse, before vLLM is imported, a trace needing what release ``version``
+    lacks: a connector no store adapter serves, a Mamba cache mode it removed."""
+    check_connector(version, engine.connector, label)
+    if engine.has_mamba and engine.mamba_cache_mode == "all" and not _in(
+            version, MAMBA_CACHE_MODE_ALL):
+        served = ", ".join(f"{p}.x" for p in MAMBA_CACHE_MODE_ALL)
+        raise UnsupportedByEngine(f"{label}: engine.mamba_cache_mode 'all' is not in vLLM "
+                                  f"{version} (its CacheConfig takes align or none; 'all' "
+                                  f"replays on {served})")
+
+
+def store_adapter(version: str, connector: str, label: str) -> Any:
+    """The store adapter module serving ``version`` (refused as check_connector says)."""
+    check_connector(version, connector, label)
+    prefix = next(p for p in STORE_ADAPTERS if version == p or version.startswith(p + "."))
+    return importlib.import_module(STORE_ADAPTERS[prefix])
+
+
+def installed_vllm_version() -> str:
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        raise EngineError("vLLM is not installed in this environment: the replay engine "
+                          "is an extra, pip install 'prefix-replayer[replay]'") from None
+
+
+def supported_ranges() -> str:
+    """``0.29.x-0.32.x, 0.33.x``: the release ranges, one per adapter module."""
+    runs: list[list[str]] = []
+    last = None
+    for prefix, module in ADAPTERS.items():
+        if module == last:
+            runs[-1].append(prefix)
+        else:
+            runs.append([prefix])
+        last = module
+    return ", ".join(f"{r[0]}.x" if len(r) == 1 else f"{r[0]}.x-{r[-1]}.x" for r in runs)
+
+
+def adapter_module_for(version: str) -> str:
+    for prefix, module in ADAPTERS.items():
+        if version == prefix or version.startswith(prefix + "."):
+            return module
+    raise EngineError(f"no adapter for vLLM {version} (supported release ranges: "
+                      f"{supported_ranges()})")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
+                record_dir: str | None = None, kv_events: bool = False) -> EngineAdapter:
+    """Build the adapter for ``spec`` over a sized engine block, in this process.
+
+    Called only by :mod:`replayer.replay.execution.in_process`, which decides where an engine runs:
+    ``spec`` is the installed vLLM or the sources this process imports (a
+    child started by :mod:`replayer.replay.execution.child_process`). ``store`` is a
+    :class:`replayer.replay.store.StoreSpec` for traces with a connector; ``record_dir``
+    records the replay there (:mod:`replayer.recorder`); ``kv_events`` turns vLLM's
+    KV-cache events on and collects them (adapters with ``supports_kv_events``)."""
+    if not spec.runs_here():
+        raise EngineError(f"engine {spec.info.label} runs in a process of its own: replay it "
+                          "through replayer.replay.execution.clients.engine_runner or the command line")
+    info = spec.info
+    version = info.vllm
+    check_supported(version, engine, info.label)
+    try:
+        module = importlib.import_module(adapter_module_for(version))
+    except EngineError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a patched tree that does not import is bad input
+        raise EngineError(f"{info.label}: importing vLLM failed: {type(exc).__name__}: "
+                          f"{_first_line(exc)}") from exc
+    try:
+        adapter = module.open_engine(engine, version, store=store, record_dir=record_dir,
+                                     kv_events=kv_events)
+    except (ValueError, AssertionError, NotImplementedError) as exc:
+        # vLLM validates geometry with ValueError/AssertionError (pydantic's too):
+        # one line naming the engine field (replayer.replay.engines.config_errors).
+        from replayer.replay.engines.config_errors import describe
+
+        raise EngineError(describe(exc, version)) from exc
+    if kv_events and not adapter.supports_kv_events:
+        adapter.close()
+        raise UnsupportedByEngine(f"{info.label}: KV-cache events are not collected on "
+                                  f"vLLM {version} (its adapter lacks them)")
+    adapter.info = info
+    # Defaults the replayer chose where vLLM's would be refused are said first.
+    adapter.notes = [*engine.chosen, *adapter.notes]
+    return adapter
+
+
+__all__ = ["ADAPTERS", "STORE_ADAPTERS", "check_connector", "check_supported", "store_adapter",
+           "EngineAdapter", "EngineError", "EngineInfo", "EngineRequest",
+           "PrefillOutcome", "StepResult", "UnsupportedByEngine", "installed_vllm_version",
+           "open_engine", "supported_ranges"]

@@ -1,0 +1,202 @@
+"""The interface between the replay loop and one vLLM release's adapter.
+
+The replay loop speaks only these dataclasses and this protocol; everything
+that differs between vLLM releases lives behind it, in one adapter module per
+release range.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from traces.goldens.kind import engine_key
+
+from replayer.replay.schedule import KeySelector
+
+
+class EngineError(RuntimeError):
+    """The engine cannot be built for this trace (bad geometry, unsupported release)."""
+
+
+class UnsupportedByEngine(EngineError):
+    """The trace needs something this engine cannot replay yet (a connector on a
+    release or tree); ``check`` over a folder skips such a target and says why."""
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as the engine receives it: real tokens, a fixed output."""
+
+    id: str
+    prompt_tokens: list[int]
+    # Tokens the null model emits, in order; longer than output_len so that
+    # drafts near the end have something to propose.
+    output_tokens: list[int]
+    output_len: int
+    cache_salt: str | None = None
+    priority: int = 0               # under scheduling_policy: priority (lower first)
+    # The trace block ids the prompt was made of and tokens per block (None:
+    # explicit tokens, or shortcuts off); lets the engine reuse prefix hashes.
+    prompt_block_ids: list[int] | None = None
+    prompt_block_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """What vLLM reported for a request's prefill (``EngineCoreOutput.prefill_stats``)."""
+
+    id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_local_cached_tokens: int
+    num_external_cached_tokens: int
+    # What each KV-cache group alone could have served (adapters that can tell).
+    group_hits: tuple[int, ...] | None = None
+
+
+@dataclass
+class StepResult:
+    executed: bool                 # the model ran (tokens were scheduled)
+    prefills: list[PrefillOutcome] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Names the engine in every output: version, where it came from.
+
+    ``source`` is ``installed`` (the vLLM in this environment), ``release`` (a
+    released version's sources overlaid on it) or ``tree`` (a source tree at
+    ``path``). A tree also names its git ``commit`` and whether it was
+    ``dirty``; both are None when the tree is not a git checkout.
+    """
+
+    vllm: str
+    source: str = "installed"
+    path: str | None = None
+    commit: str | None = None
+    dirty: bool | None = None
+
+    @property
+    def key(self) -> str:
+        """The key goldens are filed under, e.g. ``vllm==0.33.0``."""
+        return engine_key(self.vllm)
+
+    @property
+    def label(self) -> str:
+        """One line for people: ``vllm 0.33.0 (tree /src/vllm @ 1a2b3c4d5e6f, dirty)``."""
+        if self.source != "tree":
+            return f"vllm {self.vllm} ({self.source})"
+        where = self.path or "?"
+        if self.commit is not None:
+            where += f" @ {self.commit[:12]}" + (", dirty" if self.dirty else "")
+        return f"vllm {self.vllm} (tree {where})"
+
+    def as_dict(self) -> dict[str, str | bool | None]:
+        out: dict[str, str | bool | None] = {"vllm": self.vllm, "source": self.source}
+        if self.source == "tree":
+            out.update(path=self.path, commit=self.commit, dirty=self.dirty)
+        return out
+
+
+class EngineAdapter(ABC):
+    """One engine the replay loop steps. Adapters implement the abstract methods;
+    the capabilities below have defaults for an adapter that lacks them, so
+    callers never probe with ``getattr`` (as vLLM's ``KVCacheCoordinator``
+    declares what every coordinator has)."""
+
+    #: Who the engine is; set by :func:`replayer.replay.engines.open_engine`.
+    info: EngineInfo
+    #: One line per trace setting this release does not have, saying how it
+    #: replays without it (older releases); said on stderr, never in the JSON.
+    notes: list[str]
+
+    def __init__(self) -> None:
+        self.notes = []
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    @abstractmethod
+    def step(self) -> StepResult: ...
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def vllm_seconds(self) -> float:
+        """Seconds spent inside vLLM's ``schedule`` and ``update_from_output``."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    # -- capabilities, with the defaults of an adapter that lacks them ----------
+    def hold_accepted(self, accepted: dict[tuple[str, int], int]) -> None:
+        """Accept only as many drafts per (request, i-th verification) as a recording did."""
+        raise NotImplementedError(f"{type(self).__name__} cannot hold drafts to a recording")
+
+    def store_report(self) -> dict[str, Any] | None:
+        """Store operations and lookups of a connector replay (None: no connector)."""
+        return None
+
+    def kv_groups(self) -> list[dict[str, Any]] | None:
+        """vLLM's KV-cache groups in its order (kind, EAGLE drop), where the adapter can tell."""
+        return None
+
+    def hit_alignment(self) -> int | None:
+        """vLLM's granularity of prefix hits (``cache_hit_alignment_tokens``), if known."""
+        return None
+
+    #: Whether the adapter can turn vLLM's KV-cache events on and collect them
+    #: (``open_engine(kv_events=True)``); an adapter without refuses such a trace.
+    supports_kv_events: bool = False
+
+    def kv_event_rows(self) -> list[dict[str, Any]] | None:
+        """vLLM's published KV-cache events, one ``kv_events`` row per block (None: off)."""
+        return None
+
+    def track_blocks(self, request_ids: set[str]) -> None:
+        """Remember which cached blocks these requests held when vLLM frees them
+        (the requests ``evict`` events name); adapters that cannot evict ignore it."""
+        return None
+
+    def evict_cached_blocks(self, request: str | None, group: int | None) -> int:
+        """Evict cached GPU blocks through vLLM's own ``KVCacheManager.evict_blocks``:
+        those ``request`` held, those of KV-cache ``group``, or both; returns how many."""
+        raise UnsupportedByEngine(f"vllm {self.info.vllm}: this engine cannot evict "
+                                  "cached blocks (no KVCacheManager.evict_blocks)")
+
+    def store_remove(self, keys: tuple[KeySelector, ...]) -> list[str]:
+        """Remove store keys named by meaning (request, group, boundary, rank)
+        through the store backend's ``remove``; returns the keys removed."""
+        raise UnsupportedByEngine(f"vllm {self.info.vllm}: store_remove needs a "
+                                  "MooncakeStore connector replay")
+
+    def store_fault(self, op: str, keys: tuple[KeySelector, ...], code: int,
+                    times: int) -> None:
+        """Arm a fault: the next ``times`` store ops ``op`` on keys matching ``keys``
+        return ``code`` instead of reaching the store."""
+        raise UnsupportedByEngine(f"vllm {self.info.vllm}: store_fault needs a "
+                                  "MooncakeStore connector replay")
+
+    def lookups(self) -> dict[str, tuple[int, int]] | None:
+        """Each request's last prefix-cache lookup: (engine step, lookup number), if known."""
+        return None
+
+    def forget(self, request_id: str) -> None:
+        """Drop what the adapter still keeps of a finished request (its last lookup),
+        once the replay has handed its outcome on: a streamed replay then holds
+        nothing per request that has left."""
+
+    def hits_are_first_prefill(self) -> bool | None:
+        """Whether the hit vLLM reports is the request's first scheduled prefill, so
+        that a preemption's repeat prefill never changes it; None: not known."""
+        return None

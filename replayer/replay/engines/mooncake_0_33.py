@@ -1,0 +1,192 @@
+"""The MooncakeStore connector inside a vLLM 0.29-0.33 replay: seams and wiring.
+
+The store adapter of every release the replay serves (``STORE_ADAPTERS``).
+The store's internals were rewritten between 0.29 and 0.32 (the scheduler's
+boundary puts, the coordinator's masks, the worker's tail puts: the #56615
+fix lands in 0.32), but everything the seams below touch is the same in
+0.29.0, 0.30.0, 0.31.0, 0.32.0 and 0.33.0, read in each release's sources:
+``LookupKeyClient`` (byte-identical), the lookup server's
+``store_worker.lookup(num_tokens, BlobBlockHashes(blob, hash_len))``, the
+wire encoding in ``store/protocol.py`` (identical), the worker's
+``recv_request_queue`` and ``kv_send_thread.request_queue``,
+``register_kv_caches``, ``ensure_kv_transfer_initialized``, and keys of the
+form ``...@group:N@...@HASH``. The one difference this module met is its own:
+``KVCacheConfig.hash_block_size`` exists from 0.32 on, so it reads the
+scheduler's ``hash_block_size`` (present in all five). Each release's
+connector therefore runs as that release wrote it. :class:`StoreConnectorEngine`
+is the shared driver plus the connector; each release range's engine adapter
+builds its config and specs. The session it holds lives in
+:mod:`.mooncake_session`, one worker rank's parts in :mod:`.mooncake_ranks`.
+
+What runs is vLLM's own connector code on both sides: the scheduler-side
+``MooncakeStoreConnector`` (``get_num_new_matched_tokens``,
+``build_connector_meta``, the coordinator's masks and EAGLE margins) is built by
+the real ``Scheduler``; the worker side is the real ``MooncakeStoreWorker``
+(key computation, boundary puts for Mamba, the send and receive threads),
+created through ``ensure_kv_transfer_initialized`` as a GPU worker does, and
+stepped through ``KVConnectorModelRunnerMixin._get_kv_connector_output``.
+
+Seams, and only these:
+
+* **Lookup channel.** The scheduler's ZMQ ``LookupKeyClient`` is replaced by
+  :class:`InProcessLookupClient`, which encodes and decodes the same wire
+  messages and calls the worker's ``lookup`` directly.
+* **Bytes.** KV caches are small CPU tensors (one ``uint8`` page per block,
+  filled with deterministic noise) registered with the store, so puts and gets
+  move real bytes. ``torch.cuda.Event`` is a no-op stand-in on a CPU.
+* **Store backend.** ``--store memory`` puts :class:`MemoryStore` where
+  ``mooncake.store.MooncakeDistributedStore`` would be; ``--store mooncake``
+  keeps the real client against a real master. Either way a
+  :class:`RecordingStore` records every operation.
+* **Completion order.** Transfers run on the worker's own threads; after each
+  step's ``start_load_kv`` the loads are drained before saves are queued, and
+  the saves are drained before ``get_transfer_results``. So every save or load
+  issued in step *s* is reported in step *s*, in one fixed order.
+* **Distribution.** A real one-rank gloo world answers the collective helpers.
+  With ``tensor_parallel_size`` N > 1 (DCP a subdivision of it) the replay
+  builds N real worker connectors in this one process, each while the rank
+  helpers the worker reads at construction (``get_tensor_model_parallel_rank``
+  and ``_world_size``, ``get_dcp_group``, ``get_pcp_group``,
+  ``parallel_config.rank``) answer that rank; each has its own KV tensors and
+  Mooncake client over one shared backend, and writes and looks up its own
+  keys. The ranks step one after another, each with its own copy of the
+  scheduler output (as each worker process unpickles one), and vLLM's own
+  ``KVOutputAggregator`` merges their outputs as the multiprocess executor
+  does. The lookup and reset go to rank 0, as vLLM's lookup server does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.config import KVTransferConfig
+
+from traces.model.engine_spec import EngineBlock
+from traces.model.store_codes import code_name
+
+from replayer.replay.schedule import KeySelector
+from replayer.replay.store import StoreSpec
+from replayer.replay.engines.core_driver import CoreEngine, NullExecutor
+from replayer.replay.engines.mooncake_session import StoreSession
+
+CONNECTOR_NAMES = {"mooncake_store": "MooncakeStoreConnector"}
+
+
+def kv_transfer_config(engine: EngineBlock) -> KVTransferConfig:
+    extra = dict(engine.connector_config)
+    policy = {} if engine.kv_load_failure_policy is None else {
+        "kv_load_failure_policy": engine.kv_load_failure_policy}
+    return KVTransferConfig(kv_connector=CONNECTOR_NAMES[engine.connector],
+                            kv_role="kv_both", kv_connector_extra_config=extra, **policy)
+
+
+class StoreAwareExecutor(NullExecutor):
+    """The null executor, plus the worker-side MooncakeStore connector when the
+    trace has one (created where a GPU worker creates it: on KV-cache init)."""
+
+    adapter: "StoreConnectorEngine"
+
+    def _rpc_initialize_from_config(self, kv_cache_configs: Any) -> None:
+        super()._rpc_initialize_from_config(kv_cache_configs)
+        session = self.adapter.session
+        if session is not None:
+            session.init_worker(self.vllm_config, kv_cache_configs[0],
+                                self.adapter.boundaries.get)
+
+
+class StoreConnectorEngine(CoreEngine):
+    """The shared driver, plus the MooncakeStore connector when the trace has one.
+
+    ``config`` must name :class:`StoreAwareExecutor` as its executor backend."""
+
+    def __init__(self, config: Any, layer_specs: dict[str, Any], version: str,
+                 engine: EngineBlock, store: StoreSpec | None = None) -> None:
+        self.session: StoreSession | None = None
+        # Block hash (hex) -> (token boundary, first request): names store keys.
+        self.boundaries: dict[str, tuple[int, str]] = {}
+        if engine.connector:
+            self.session = StoreSession(store or StoreSpec("memory"))
+        try:
+            super().__init__(config, layer_specs, version, executor_cls=StoreAwareExecutor)
+        except BaseException:
+            if self.session is not None:
+                self.session.close()
+            raise
+        # The scheduler's own hash block size (KVCacheConfig carries it from 0.32 on).
+        self._hash_block_size = self.scheduler.hash_block_size or 1
+        if self.session is not None:
+            self.session.attach_scheduler(self.scheduler)
+
+    # -- hooks into the shared driver ------------------------------------
+    def _kv_output(self, scheduler_output):
+        if self.session is None:
+            return None
+        return self.session.execute(scheduler_output, self.config)
+
+    def _on_preprocessed(self, req, request) -> None:
+        if self.session is not None:
+            # Store keys name block hashes; remember which token boundary each
+            # ends at, and the first request that had that prefix.
+            hbs = self._hash_block_size
+            for i, h in enumerate(req.block_hashes):
+                self.boundaries.setdefault(bytes(h).hex(), ((i + 1) * hbs, request.id))
+
+    def _before_step(self) -> None:
+        if self.session is not None:
+            self.session.set_step(self._step)
+
+    def _after_step(self) -> None:
+        if self.session is not None:
+            self.session.check()
+
+    def reset_prefix_cache(self) -> bool:
+        # The GPU-side cache only: the store keeps its keys, as in production.
+        return super().reset_prefix_cache()
+
+    def store_remove(self, keys: tuple[KeySelector, ...]) -> list[str]:
+        if self.session is None:
+            return super().store_remove(keys)
+        self.session.set_step(self._step)
+        removed = self.session.remove(keys)
+        self._recorded({"action": "store_remove", "keys": [
+            {"request": r, "group": g, "boundary": b, "rank": k} for r, g, b, k in keys]})
+        return removed
+
+    def store_fault(self, op: str, keys: tuple[KeySelector, ...], code: int,
+                    times: int) -> None:
+        if self.session is None:
+            return super().store_fault(op, keys, code, times)
+        self.session.arm_fault(op, keys, code, times, self._step)
+        self._recorded({"action": "store_fault", "op": op, "code": code, "times": times,
+                        "keys": [{"request": r, "group": g, "boundary": b, "rank": k}
+                                 for r, g, b, k in keys]})
+
+    def store_report(self) -> dict[str, Any] | None:
+        """Store operations recorded so far (None without a connector), and each
+        ``store_fault``: how often it fired. Called once, when the replay ends: a
+        fault that fired fewer times than it was armed for adds a note."""
+        if self.session is None:
+            return None
+        ops = self.session.ops
+        faults = []
+        for f in ops.faults:
+            faults.append({"op": f.op, "code": f.code, "times": f.times, "fired": f.fired,
+                           "step": f.step})
+            if f.fired < f.times:
+                what = ", ".join(f"{r}" + ("" if g is None else f" group {g}")
+                                 + ("" if b is None else f" @ {b}")
+                                 + ("" if k is None else f" rank {k}")
+                                 for r, g, b, k in f.selectors)
+                self.notes.append(f"store_fault {f.op} ({what}) armed before step {f.step} "
+                                  f"fired {f.fired} of {f.times} time(s): no matching "
+                                  f"{f.op} happened after it ({code_name(f.code)} unused)")
+        return {"backend": self.session.spec.kind, "rows": list(ops.rows),
+                "lookups": list(ops.lookups), "faults": faults,
+                "seconds": sum(r.recorder.seconds for r in self.session.ranks)}
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.session is not None:
+                self.session.close()

@@ -1,0 +1,120 @@
+"""Engine specs: which vLLM a replay runs on, as named on the command line.
+
+Three forms, accepted wherever an engine is chosen (``run``, ``check``,
+``diff``, ``bisect``, and :func:`replayer.replay.execution.clients.engine_runner`):
+
+* ``installed`` (the default): the vLLM of this environment, in this process;
+* ``vllm==X.Y.Z``: a released version, its Python sources fetched once into
+  the cache (:mod:`.releases`) and put first on ``sys.path`` over the
+  installed vLLM, in a child process;
+* the path of a vLLM source tree (:mod:`.trees`): a patched checkout or a
+  copy of the ``vllm`` package, overlaid the same way.
+
+:func:`parse_spec` checks the form and the release range without the network
+or a vLLM import, so a bad spec is reported (one line, exit 2) before anything
+runs. :func:`resolve` then fetches what the spec names and says who the
+engine is (:class:`EngineInfo`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from replayer.replay.engines import EngineError, adapter_module_for, installed_vllm_version
+from replayer.replay.engines.base import EngineInfo
+from replayer.replay.engines.releases import release_of, release_sources
+from replayer.replay.engines.trees import git_identity, package_dir, tree_version
+
+INSTALLED = "installed"
+_RELEASE_LIKE = re.compile(r"^vllm\s*[=<>~!]")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A parsed spec: ``kind`` is installed, release or tree."""
+
+    text: str
+    kind: str
+    version: str | None = None      # release, and tree (from its sources)
+    path: Path | None = None        # tree: as given, made absolute
+    package: Path | None = None     # tree: its ``vllm`` package directory
+
+
+@dataclass(frozen=True)
+class ResolvedEngine:
+    """An engine ready to start: who it is, and which sources it imports.
+
+    ``sources`` is the ``vllm`` package directory that goes first on
+    ``sys.path`` (None for the installed vLLM).
+    """
+
+    spec: str
+    info: EngineInfo
+    sources: str | None = None
+
+    def runs_here(self) -> bool:
+        """True for the installed vLLM, and inside the child that imports these sources."""
+        return self.sources is None or _imports_from(self.sources)
+
+
+def parse_spec(text: str) -> EngineSpec:
+    """Check a spec's form (and its release range) without fetching anything."""
+    if text == INSTALLED:
+        return EngineSpec(text, INSTALLED)
+    if _RELEASE_LIKE.match(text):
+        version = release_of(text)
+        if version is None:
+            raise EngineError(f"engine {text!r}: name a release as vllm==X.Y.Z "
+                              "(for example vllm==0.29.0)")
+        _check_range(text, version)
+        return EngineSpec(text, "release", version=version)
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise EngineError(f"engine {text!r}: not 'installed', vllm==X.Y.Z or the path of a "
+                          "vLLM source tree (no such directory)")
+    package = package_dir(path, text)
+    version = tree_version(package)
+    if version is None:
+        raise EngineError(f"engine {text!r}: cannot tell which vLLM release this tree is "
+                          "(no vllm/_version.py and no v* git tag)")
+    _check_range(text, version)
+    return EngineSpec(text, "tree", version=version, path=path.absolute(), package=package)
+
+
+def _check_range(text: str, version: str) -> None:
+    try:
+        adapter_module_for(version)
+    except EngineError as exc:
+        raise EngineError(f"engine {text!r}: {exc}") from None
+
+
+def resolve(spec: str | EngineSpec | ResolvedEngine) -> ResolvedEngine:
+    """Fetch what ``spec`` names (a release's wheel, once) and name the engine.
+
+    The one place a spec's form is told apart: everything after takes the
+    :class:`ResolvedEngine`."""
+    if isinstance(spec, ResolvedEngine):
+        return spec
+    parsed = spec if isinstance(spec, EngineSpec) else parse_spec(spec)
+    if parsed.kind == INSTALLED:
+        return ResolvedEngine(parsed.text, EngineInfo(installed_vllm_version(), INSTALLED))
+    assert parsed.version is not None
+    if parsed.kind == "release":
+        sources = release_sources(parsed.version)
+        return ResolvedEngine(parsed.text, EngineInfo(parsed.version, "release"), str(sources))
+    assert parsed.path is not None and parsed.package is not None
+    commit, dirty = git_identity(parsed.path)
+    info = EngineInfo(parsed.version, "tree", path=str(parsed.path), commit=commit, dirty=dirty)
+    return ResolvedEngine(parsed.text, info, str(parsed.package))
+
+
+def _imports_from(sources: str) -> bool:
+    found = importlib.util.find_spec("vllm")
+    origin = found.origin if found is not None else None
+    if not origin:
+        return False
+    return os.path.realpath(os.path.dirname(origin)) == os.path.realpath(sources)

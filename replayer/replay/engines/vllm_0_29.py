@@ -1,0 +1,167 @@
+"""Adapter for vLLM 0.29.x to 0.32.x: the real EngineCore over a null model.
+
+These releases run EngineCore, the Executor base and the output dataclasses
+exactly as the replay uses them in 0.33, so the driver is the shared
+:mod:`.core_driver` (the real ``EngineCore`` works on all four; no release
+needs the scheduler assembled by hand). What differs from 0.33, found by
+reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
+``v1/executor/abstract.py``, ``v1/kv_cache_interface.py`` and
+``config/*.py``, is all here:
+
+* **KV-cache specs have no ``is_draft``** (0.33 added it). Nothing can mark the
+  draft model's layers, so vLLM flags every KV-cache group as an EAGLE group
+  (its own fallback; 0.31 and 0.32 log "no KV cache group could be identified
+  as the draft model's"). That is what production ran: the draft layer still
+  joins the first attention group, and the Mamba group is dropped from too.
+* **No lookahead block hashes.** ``SpeculativeConfig`` has no
+  ``disable_lookahead_block_hashes`` (0.33 added the hashes and the flag), so
+  with EAGLE the trailing block is always dropped (0.30-0.32 have
+  ``disable_eagle_block_drop``, default off, which no trace sets). A trace that
+  asks for lookahead hashes (the 0.33 default) replays with the drop, and a
+  note says so.
+* **``CacheConfig.enable_mamba_shared_prefix_checkpoint``** exists from 0.31
+  on. On 0.29 and 0.30 a trace that turns it on replays without it, with a
+  note; one that leaves it off replays exactly.
+* ``Executor.set_kv_cache_layout`` sends only the layout (0.33 adds the
+  context-parallel interleave size); the null executor takes either.
+* **Connector replay** runs on all four through the store adapter
+  ``STORE_ADAPTERS`` names (:mod:`.mooncake_0_33`: its seams are the same from
+  0.29 on). What the connector does differs, and is vLLM's own (seen on
+  ``fixtures/store/resend_after_reset.yaml``): 0.29 puts a prompt tail's
+  attention KV and Mamba state both at B + H, and no block-aligned Mamba
+  state; 0.30 and 0.31 (``_sub_block_tail_puts``) put both at B, the layout
+  #56615 fixed; 0.32 puts Mamba at B and attention at B + H, as 0.33 does.
+* **``mamba_cache_mode: all``** (every block's Mamba state cached) exists on
+  0.29-0.31 only; 0.32 refuses it (``check_supported`` in ``__init__``).
+* **``speculative.draft_group``** needs ``is_draft``: here every group is an
+  EAGLE group whichever group the draft layer joins (a note says so).
+
+Under the sources of 0.29.0 the #51295 pair shows the production miss as
+upstream reported it (turn 2 hits 23040 after a 24576-token turn 1, and 0
+after 24577); 0.30.0 and later hit 24448.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                        KVCacheSpec, MambaSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
+
+from traces.model.engine_spec import EngineBlock
+
+from replayer.replay.engines import check_connector, store_adapter
+from replayer.replay.engines.base import UnsupportedByEngine
+from replayer.replay.engines.core_driver import (CoreEngine, LayerPlan, NullExecutor, build_config, cache_kwargs,
+                          plan_layers)
+
+
+VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
+SHARED_PREFIX_CHECKPOINT_SINCE = (0, 31)        # CacheConfig.enable_mamba_shared_prefix_checkpoint
+DTYPE = torch.float16
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
+    """A layer's spec with these releases' constructors (no ``is_draft``)."""
+    if plan.kind == "mamba":
+        return MambaSpec(block_size=plan.block_size, shapes=((4,),), dtypes=(DTYPE,),
+                         page_size_padded=plan.page_bytes,
+                         mamba_cache_mode=engine.mamba_cache_mode,
+                         num_speculative_blocks=engine.num_speculative_tokens)
+    if plan.kind == "sliding_window":
+        return SlidingWindowSpec(block_size=plan.block_size, num_kv_heads=1,
+                                 head_size=plan.head_size, dtype=DTYPE,
+                                 sliding_window=int(plan.sliding_window or 0))
+    if plan.kind == "chunked_local":
+        return ChunkedLocalAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                                         head_size=plan.head_size, dtype=DTYPE,
+                                         attention_chunk_size=int(plan.attention_chunk_size or 0))
+    if plan.kind == "mla":
+        return MLAAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                                head_size=2 * plan.head_size, dtype=DTYPE)
+    return FullAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                             head_size=plan.head_size, dtype=DTYPE)
+
+
+def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
+    return {p.name: kv_spec(p, engine) for p in plan_layers(engine, DTYPE.itemsize)}
+
+
+def missing_settings(engine: EngineBlock, version: str) -> list[str]:
+    """One note per trace setting release ``version`` does not have."""
+    notes = []
+    spec = engine.speculative
+    if spec is not None and not spec.disable_lookahead_block_hashes:
+        notes.append(f"vLLM {version} has no lookahead block hashes: replayed with the EAGLE "
+                     "drop on (engine.speculative.disable_lookahead_block_hashes is 0.33's)")
+    if spec is not None and spec.draft_group is not None:
+        notes.append(f"vLLM {version} has no is_draft: every KV-cache group is an EAGLE "
+                     "group, so engine.speculative.draft_group only places the draft layer "
+                     "(it is 0.33's)")
+    if (engine.enable_mamba_shared_prefix_checkpoint
+            and _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE):
+        notes.append(f"vLLM {version} has no enable_mamba_shared_prefix_checkpoint: "
+                     "replayed without it")
+    return notes
+
+
+def build_vllm_config(engine: EngineBlock, version: str,
+                      executor: type[NullExecutor] = NullExecutor,
+                      kv_events: bool = False) -> VllmConfig:
+    """The shared config, less what these releases lack (see missing_settings): no
+    ``disable_lookahead_block_hashes`` before 0.33, no shared-prefix checkpoint
+    flag before 0.31; plus the store connector (``executor`` is then the
+    store adapter's store-aware one)."""
+    cache_args = cache_kwargs(engine)
+    if _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE:
+        cache_args.pop("enable_mamba_shared_prefix_checkpoint", None)
+    kv_transfer = None
+    if engine.connector:
+        store = store_adapter(version, engine.connector, f"vllm {version}")
+        kv_transfer = store.kv_transfer_config(engine)
+    return build_config(engine, executor, cache_args=cache_args, kv_transfer=kv_transfer,
+                        kv_events=kv_events)
+
+
+def open_engine(engine: EngineBlock, version: str, store: Any = None,
+                record_dir: str | None = None, kv_events: bool = False) -> CoreEngine:
+    check_connector(version, engine.connector, f"vllm {version}")
+    if engine.speculative and any(g.kind == "chunked_local" for g in engine.kv_groups):
+        # No is_draft: every group is an EAGLE group, and vLLM's chunked-local
+        # lookup asserts the drop never reaches it.
+        raise UnsupportedByEngine(f"vllm {version}: EAGLE/MTP beside a chunked_local group "
+                                  "is not replayable on this release (no is_draft, so vLLM "
+                                  "drops from every group, and it does not support the drop "
+                                  "on chunked local attention)")
+    executor = NullExecutor
+    if engine.connector:
+        executor = store_adapter(version, engine.connector, f"vllm {version}").StoreAwareExecutor
+    config = build_vllm_config(engine, version, executor, kv_events)
+    if record_dir is not None:
+        # Record this run through vLLM's own hooks, where this vLLM has every
+        # name they use (the server makes the same check when it starts).
+        from replayer.recorder.install import install_recorder
+        from replayer.recorder.releases import check_release
+
+        try:
+            check_release(version, connector=bool(engine.connector))
+        except RuntimeError as exc:
+            raise UnsupportedByEngine(f"recording a replay on vLLM {version}: {exc}") from None
+        install_recorder(config, record_dir)
+    if engine.connector:
+        store_engine = store_adapter(version, engine.connector,
+                                     f"vllm {version}").StoreConnectorEngine
+        core: CoreEngine = store_engine(config, layer_specs(engine), version, engine, store)
+    else:
+        core = CoreEngine(config, layer_specs(engine), version)
+    core.notes = missing_settings(engine, version)
+    return core

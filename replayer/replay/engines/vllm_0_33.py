@@ -1,0 +1,128 @@
+"""Adapter for vLLM 0.33.x: builds the real EngineCore over a null executor.
+
+Everything specific to this vLLM release range lives here: config classes,
+KV-cache spec classes (with ``is_draft``), the MooncakeStore connector
+(:mod:`.mooncake_0_33`) and the per-group hit explanation
+(:mod:`.explain_0_33`). The step driver itself is the shared
+:mod:`.core_driver`; this adapter adds to it through its hooks.
+
+What runs is vLLM's own code: ``VllmConfig`` resolution, ``EngineCore`` (KV
+cache planning, ``resolve_kv_cache_block_sizes``, the request block hasher),
+the ``Scheduler``, ``KVCacheManager``, coordinator and single-type managers.
+The one seam replaced is the model: the null executor stands where the GPU
+workers would, reports the KV-cache layer specs the trace's geometry asks for,
+and answers each step with the trace's output tokens. Drafts proposed for
+speculative decoding are the request's true next tokens, so every draft is
+accepted unless a recorded steps table says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                        KVCacheSpec, MambaSpec, MLAAttentionSpec,
+                                        SlidingWindowSpec)
+
+from traces.model.engine_spec import EngineBlock
+
+from replayer.replay.engines.core_driver import LayerPlan, build_config, plan_layers
+from replayer.replay.engines.mooncake_0_33 import StoreAwareExecutor, StoreConnectorEngine, kv_transfer_config
+from replayer.replay.engines.prefix_hashes import PrefixHashCache
+
+
+VERSIONS = ("0.33",)          # release range this adapter serves
+DTYPE = torch.float16
+
+
+def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
+    """A layer's spec with 0.33's constructors; draft layers carry ``is_draft``."""
+    if plan.kind == "mamba":
+        spec: KVCacheSpec = MambaSpec(
+            block_size=plan.block_size, shapes=((4,),), dtypes=(DTYPE,),
+            page_size_padded=plan.page_bytes, mamba_cache_mode=engine.mamba_cache_mode,
+            num_speculative_blocks=engine.num_speculative_tokens)
+    elif plan.kind == "sliding_window":
+        spec = SlidingWindowSpec(block_size=plan.block_size, num_kv_heads=1,
+                                 head_size=plan.head_size, dtype=DTYPE,
+                                 sliding_window=int(plan.sliding_window or 0))
+    elif plan.kind == "chunked_local":
+        spec = ChunkedLocalAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                                         head_size=plan.head_size, dtype=DTYPE,
+                                         attention_chunk_size=int(plan.attention_chunk_size or 0))
+    elif plan.kind == "mla":
+        spec = MLAAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                                head_size=2 * plan.head_size, dtype=DTYPE)
+    else:
+        spec = FullAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
+                                 head_size=plan.head_size, dtype=DTYPE)
+    # vLLM marks the group holding the draft model's layers as the EAGLE group.
+    return replace(spec, is_draft=True) if plan.draft else spec
+
+
+def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
+    return {p.name: kv_spec(p, engine) for p in plan_layers(engine, DTYPE.itemsize)}
+
+
+def build_vllm_config(engine: EngineBlock, kv_events: bool = False) -> VllmConfig:
+    """The shared config, plus 0.33's lookahead-hash flag and the store connector."""
+    kv_transfer = kv_transfer_config(engine) if engine.connector else None
+    spec = engine.speculative
+    lookahead = None if spec is None else {
+        "disable_lookahead_block_hashes": spec.disable_lookahead_block_hashes}
+    return build_config(engine, StoreAwareExecutor, speculative_args=lookahead,
+                        kv_transfer=kv_transfer, kv_events=kv_events)
+
+
+class Vllm033Engine(StoreConnectorEngine):
+    """The shared driver and store connector, plus the recorder and per-group hits of 0.33."""
+
+    def __init__(self, engine: EngineBlock, version: str, store=None,
+                 record_dir: str | None = None, kv_events: bool = False) -> None:
+        config = build_vllm_config(engine, kv_events)
+        if record_dir is not None:
+            # Record this run through vLLM's own hooks (replayer.recorder).
+            from replayer.recorder.install import install_recorder
+
+            install_recorder(config, record_dir)
+        super().__init__(config, layer_specs(engine), version, engine, store)
+        if self.core.request_block_hasher is not None:
+            # Hashes of repeated trace-block chains, bounded by 4x the KV cache's tokens.
+            hbs = self.scheduler.kv_cache_config.hash_block_size or 1
+            kv_tokens = self.scheduler.kv_cache_config.num_blocks * config.cache_config.block_size
+            self.prefix_hashes = PrefixHashCache(
+                self.core.request_block_hasher, hbs, config.num_hash_lookahead_tokens,
+                4 * kv_tokens // hbs)
+            self.core.request_block_hasher = self.prefix_hashes
+        from replayer.replay.engines.explain_0_33 import GroupHits
+
+        self.group_hits = GroupHits(self.scheduler, step=lambda: self._step)
+
+    def _group_hits(self, request_id: str) -> tuple[int, ...] | None:
+        return self.group_hits.take(request_id)
+
+    def kv_groups(self) -> list[dict[str, Any]]:
+        """vLLM's KV-cache groups, in its order: kind and whether the EAGLE drop applies."""
+        return self.group_hits.describe()
+
+    def lookups(self) -> dict[str, tuple[int, int]]:
+        """Each request's last prefix lookup: (engine step, lookup number)."""
+        return dict(self.group_hits.lookups)
+
+    def forget(self, request_id: str) -> None:
+        self.group_hits.forget(request_id)
+
+    def hit_alignment(self) -> int:
+        """vLLM's own granularity of prefix hits (``cache_hit_alignment_tokens``)."""
+        cfg = self.scheduler.kv_cache_config
+        return int(cfg.cache_hit_alignment_tokens or cfg.hash_block_size or 1)
+
+
+def open_engine(engine: EngineBlock, version: str, store=None,
+                record_dir: str | None = None, kv_events: bool = False) -> Vllm033Engine:
+    return Vllm033Engine(engine, version, store=store, record_dir=record_dir,
+                         kv_events=kv_events)

@@ -1,0 +1,37 @@
+"""The child side of :mod:`.child_process`: replays jobs on the vLLM it imports.
+
+Started as ``python -m replayer.replay.execution.child_main FD`` with a release's or
+a tree's sources first on ``sys.path``; reads the engine, then one job per
+replay, from stdin, replays each with :func:`.in_process.replay_here` and
+answers on ``FD`` (progress, result, or the error the parent raises again).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from replayer.replay.execution.in_process import replay_here
+from replayer.replay.execution.wire import Job, answer_frames, recv
+
+
+def serve(answer_fd: int) -> int:
+    answers = os.fdopen(answer_fd, "wb")
+    jobs = sys.stdin.buffer
+    # vLLM's own logger follows the level the parent's command line chose.
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    if level:
+        logging.getLogger("vllm").setLevel(level.upper())
+    engine = recv(jobs)
+    while True:
+        job: Job | None = recv(jobs)
+        if job is None:
+            return 0
+        answer_frames(lambda j, progress: replay_here(
+            j.trace, engine, store=j.store, record_dir=j.record_dir, shortcuts=j.shortcuts,
+            progress=progress), job, answers)
+
+
+if __name__ == "__main__":
+    sys.exit(serve(int(sys.argv[1])))

@@ -1,0 +1,56 @@
+"""What a replay observed for one request: the one outcome type.
+
+Its prefill fields are the ``outcomes`` table's columns
+(:data:`traces.model.schema.OUTCOME_FIELDS`), the fields goldens pin, ``diff``
+compares and recordings hold; the replay adds where the request sat on the
+step clock. Everything that reads or prints an outcome reads this type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from traces.model.schema import OUTCOME_FIELDS
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """One request of a replay, in the order ``--json`` prints it."""
+
+    id: str
+    arrival_step: int                       # the step before which it entered
+    num_prompt_tokens: int
+    # What vLLM's prefill_stats said; None until the request was prefilled.
+    num_cached_tokens: int | None = None
+    num_local_cached_tokens: int | None = None
+    num_external_cached_tokens: int | None = None
+    prefill_step: int | None = None
+    finish_step: int | None = None
+    aborted: bool = False
+    # What each KV-cache group alone could have served (adapters that can tell).
+    group_hits: list[int] | None = None
+
+    def observed(self) -> dict[str, int | None]:
+        """The prefill fields (:data:`OUTCOME_FIELDS`), as goldens name them."""
+        return {f: getattr(self, f) for f in OUTCOME_FIELDS}
+
+    def hits(self) -> dict[str, int | None]:
+        """Cached tokens and their local/external split: what ``diff`` compares."""
+        return {f: getattr(self, f) for f in HIT_FIELDS}
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.group_hits is None:
+            del out["group_hits"]
+        else:
+            out["group_hits"] = list(self.group_hits)
+        return out
+
+
+# The prefill fields other than the prompt length: what makes two engines differ.
+HIT_FIELDS = OUTCOME_FIELDS[1:]
+
+_MISSING = set(OUTCOME_FIELDS) - {f.name for f in fields(RequestOutcome)}
+if _MISSING:  # pragma: no cover - a schema change must come here too
+    raise ImportError(f"RequestOutcome lacks outcome columns {sorted(_MISSING)}")
