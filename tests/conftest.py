@@ -69,14 +69,14 @@ def cli_here(*args: object, env: dict[str, str] | None = None,
     propagates (a fresh process would have printed its traceback). A call that
     imports vLLM fails: that command replays, and belongs to :func:`cli`.
     """
-    from replayer.cli import main as cli_module
+    from replayer.cli import common, main as cli_module
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
     environ = dict(os.environ)
     here = os.getcwd()
     loggers = [(lg, lg.level, list(lg.handlers)) for lg in map(logging.getLogger, _CLI_LOGGERS)]
     vllm_before = "vllm" in sys.modules
-    cli_module._NOTES_SAID.clear()
+    common.NOTES_SAID.clear()
     try:
         os.environ.update(env or {})
         os.chdir(cwd)
@@ -106,7 +106,7 @@ def cli_here(*args: object, env: dict[str, str] | None = None,
         for lg, level, handlers in loggers:
             lg.setLevel(level)
             lg.handlers[:] = handlers
-        cli_module._NOTES_SAID.clear()
+        common.NOTES_SAID.clear()
     assert vllm_before or "vllm" not in sys.modules, (
         f"replayer {' '.join(argv)} imported vLLM in the test process: it replays, "
         "so run it with cli()")

@@ -322,7 +322,7 @@ def test_import_onto_an_existing_trace_needs_force(tmp_path):
 
 
 def test_stale_temporaries_of_a_killed_import_are_cleaned_and_skipped(tmp_path):
-    from replayer.cli.main import _expand_targets
+    from replayer.cli.check import expand_targets as _expand_targets
 
     folder = tmp_path / "fixtures"
     make_trace_dir(folder, "conv")

@@ -38,13 +38,12 @@ from typing import Any, Callable
 
 import polars as pl
 
+from replayer.replay.loop import ReplayResult
 from traces import Trace
-from traces.model.errors import TraceError
 from traces.model.engine_spec import RETAIN_DENSE
+from traces.model.errors import TraceError
 from traces.model.reachable import Clock, prefix_match_unit, reachable_hits
 from traces.scenarios.what_if import with_sets
-
-from replayer.replay.loop import ReplayResult
 
 CAUSES = ("capacity", "store", "reset", "eagle_drop", "sparse_retention", "sliding_window",
           "alignment", "preemption", "unexplained")

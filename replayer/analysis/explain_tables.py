@@ -6,10 +6,9 @@ import os
 
 import polars as pl
 
-from traces.io.atomic import write_atomic
-
 from replayer.analysis.explain import CAUSES, Explanation
 from replayer.check.output import explain_groups
+from traces.io.atomic import write_atomic
 
 TABLE_ROWS = 20
 

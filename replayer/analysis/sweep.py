@@ -18,9 +18,9 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any, Sequence
 
-from traces import TraceError
-
+from replayer import SOURCE_ROOT
 from replayer.analysis.explain import CAUSES
+from traces import TraceError
 
 WALL = "wall_s"
 
@@ -69,10 +69,9 @@ def run_point(target: str, sets: list[str], engine_spec: str = "installed",
               base: Sequence[str] = (), own_process: bool = False) -> dict[str, Any]:
     """Load ``target``, replay it under ``base`` then ``sets`` (the grid point) with its
     counterfactuals: one table row."""
+    from replayer.replay.execution.environment import quiet_vllm
     from traces import load_target
     from traces.scenarios.what_if import with_sets
-
-    from replayer.replay.execution.environment import quiet_vllm
 
     quiet_vllm(os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1")   # a worker, as the CLI
     from replayer.analysis.explain import explain
@@ -141,7 +140,7 @@ def _run_ray(target: str, points: list[list[str]], engine_spec: str,
     if not ray.is_initialized():
         # Workers start with the pinned hash seed and this checkout importable.
         env = {**_pinned_env(), "PYTHONPATH": os.pathsep.join(
-            filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            filter(None, [str(SOURCE_ROOT),
                           os.environ.get("PYTHONPATH")]))}
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False,
                  include_dashboard=False, logging_level="ERROR")

@@ -15,18 +15,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from replayer.check.output import check_report
+from replayer.replay.loop import ReplayResult
 from traces import Trace
-from traces.model.errors import TraceError
 from traces.goldens.events import EVENTS, compare_events, from_rows
 from traces.goldens.kind import ANY_ENGINE, GoldenKind, key_to_update, label, select
 from traces.goldens.outcomes import REQUEST, compare
+from traces.goldens.store import STORE, compare_store, from_report
+from traces.model.errors import TraceError
+from traces.model.trace import golden_path, write_tables
 from traces.scenarios.compile import compile_scenario, is_scenario_path
 from traces.scenarios.golden_writer import rewrite_blocks
-from traces.goldens.store import STORE, compare_store, from_report
-from traces.model.trace import golden_path, write_tables
-
-from replayer.replay.loop import ReplayResult
-from replayer.check.output import check_report
 
 
 def observed(kind: GoldenKind, result: ReplayResult) -> Any:

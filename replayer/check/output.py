@@ -7,13 +7,12 @@ import tempfile
 from collections import deque
 from typing import IO, Any, Iterable
 
-from traces.model.engine_spec import EngineBlock
+from replayer.replay.loop import ReplayResult
 from traces.goldens.kind import label
 from traces.goldens.outcomes import Mismatch
+from traces.model.engine_spec import EngineBlock
 from traces.model.outcome import RequestOutcome
 from traces.model.schema import OUTCOME_FIELDS
-
-from replayer.replay.loop import ReplayResult
 
 TABLE_LIMIT = 40
 

@@ -17,15 +17,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from traces import Trace
-from traces.model.errors import TraceError
-from traces.model.trace import read_trace
-
-from traces.model.schema import OUTCOME_FIELDS
-
-from replayer.replay.loop import ReplayResult
 from replayer.replay.engines.specs import INSTALLED
 from replayer.replay.execution.clients import replay_on
+from replayer.replay.loop import ReplayResult
+from traces import Trace
+from traces.model.errors import TraceError
+from traces.model.schema import OUTCOME_FIELDS
+from traces.model.trace import read_trace
 
 # Store operations compared by key (puts, gets, lookups); their order across a
 # worker's threads and the step a put completes in are not the replay's to pin.

@@ -141,7 +141,12 @@ class CommitLine:
         """The engine of one commit: its cached export, named by the commit."""
         from replayer.replay.engines import adapter_module_for
         from replayer.replay.engines.specs import ResolvedEngine
-        from replayer.replay.engines.trees import commit_sources, commit_version, package_dir, tree_version
+        from replayer.replay.engines.trees import (
+            commit_sources,
+            commit_version,
+            package_dir,
+            tree_version,
+        )
 
         root = commit_sources(self.tree, commit)
         package = package_dir(root, f"{self.tree}@{commit[:12]}")

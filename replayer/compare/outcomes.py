@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from replayer.compare.store import StoreDiff, compare_stores, store_lines
 from replayer.replay.engines import EngineInfo
 from replayer.replay.loop import ReplayResult
-from replayer.compare.store import StoreDiff, compare_stores, store_lines
 
 
 @dataclass(frozen=True)

@@ -204,9 +204,8 @@ class _Target:
     config: pytest.Config
 
     def _items(self) -> Iterator["GoldenItem"]:
-        from traces import TraceError, load_target
-
         from replayer.replay.execution.pool import connector
+        from traces import TraceError, load_target
 
         try:
             trace, error = load_target(self.path), None
@@ -258,7 +257,12 @@ class GoldenItem(pytest.Item):
 
     def runtest(self) -> None:
         from replayer.check import goldens as golden_check
-        from replayer.check.goldens import engine_key_of, has_goldens, no_goldens, said_before_replay
+        from replayer.check.goldens import (
+            engine_key_of,
+            has_goldens,
+            no_goldens,
+            said_before_replay,
+        )
         from replayer.replay.engines import UnsupportedByEngine
 
         if self.error is not None:
@@ -292,11 +296,10 @@ class GoldenItem(pytest.Item):
             return self.path
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
-        from traces import TraceError
-
         from replayer.replay.engines import EngineError
         from replayer.replay.loop import ReplayError
         from replayer.replay.store import StoreError
+        from traces import TraceError
 
         if isinstance(excinfo.value, GoldenCheckFailed):
             return str(excinfo.value)

@@ -75,9 +75,8 @@ def replay_with(run: Callable[..., Any], target: Any, engine: str = "installed",
                 store: Any = None) -> ReplayOutcomes:
     """Replay ``target`` (a scenario path, trace directory or loaded Trace) with
     ``run(engine, trace, store)``; bad input raises the CLI's errors."""
-    from traces import load_target
-
     from replayer.replay.store import parse_store_spec
+    from traces import load_target
 
     trace = load_target(target) if isinstance(target, (str, Path)) else target
     if isinstance(store, str):

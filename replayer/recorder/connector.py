@@ -24,8 +24,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from replayer.replay.store.recording import key_group, key_hash
 from replayer.recorder.session import StoreSession, check_release, record_dir, scheduler_session
+from replayer.replay.store.recording import key_group, key_hash
 
 _CLASSES: dict[str, type] = {}
 

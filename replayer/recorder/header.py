@@ -20,8 +20,12 @@ CONNECTORS = {"MooncakeStoreConnector": "mooncake_store"}
 def _group_kind(spec: Any) -> dict[str, Any] | None:
     """``{kind, block_size, sliding_window?}`` of one KV-cache group; None for a
     group holding only draft-model layers (the replayer adds those itself)."""
-    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, MambaSpec,
-                                            MLAAttentionSpec, SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     if getattr(spec, "is_draft", False):
         return None

@@ -40,12 +40,10 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from traces.model.schema import OUTCOME_FIELDS
-from traces.io.parts import pack_tokens
-
 from replayer.recorder.header import recorded_header
 from replayer.recorder.session import SchedulerSession, check_release, record_dir, write_header
-
+from traces.io.parts import pack_tokens
+from traces.model.schema import OUTCOME_FIELDS
 
 _RANDOM_SUFFIX = re.compile(r"^(?P<external>.+)-[0-9a-f]{8}$")
 
@@ -184,9 +182,8 @@ class SchedulerRecorder:
         cfg = getattr(scheduler, "kv_events_config", None)
         if cfg is None or not cfg.enable_kv_cache_events:
             return
-        from traces.model.schema import KV_EVENTS
-
         from replayer.replay.kv_events import KvEventCollector
+        from traces.model.schema import KV_EVENTS
 
         writer = self.session.add_table(KV_EVENTS)
         # Published in update_from_output, after schedule() moved the clock on.

@@ -17,13 +17,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from traces import Trace
-from traces.model.materialize import TokenSource, request_rows
-from traces.model.outcome import RequestOutcome
-
 from replayer.replay.engines.base import EngineAdapter, EngineInfo, EngineRequest
 from replayer.replay.execution.gc_tuning import fewer_gc_passes
 from replayer.replay.schedule import Event, Schedule
+from traces import Trace
+from traces.model.materialize import TokenSource, request_rows
+from traces.model.outcome import RequestOutcome
 
 # A step in which nothing could be scheduled, this many times running, means the
 # trace can never finish (a prompt that does not fit the KV cache, say).

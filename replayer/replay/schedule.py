@@ -17,7 +17,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-
 # A store key by meaning: (first request, group, boundary, rank); None matches any.
 KeySelector = tuple[str, Optional[int], Optional[int], Optional[int]]
 

@@ -31,9 +31,9 @@ from typing import Any, Iterable
 
 import pyarrow as pa
 
+from traces.goldens.kind import GoldenKind
 from traces.model import schema
 from traces.model.errors import TraceError, reject_unknown_keys, require_int, short
-from traces.goldens.kind import GoldenKind
 
 EventExpect = dict[str, Any]
 SECTIONS = ("stored", "skipped", "removed")

@@ -16,12 +16,12 @@ from typing import Any
 
 import pyarrow as pa
 
+from traces.goldens.events import EVENTS
+from traces.goldens.kind import ANY_ENGINE, GoldenKind, select
+from traces.goldens.store import STORE
 from traces.model import schema
 from traces.model.errors import TraceError, require_int
-from traces.goldens.kind import ANY_ENGINE, GoldenKind, select
 from traces.model.outcome import RequestOutcome
-from traces.goldens.events import EVENTS
-from traces.goldens.store import STORE
 
 __all__ = ["ANY_ENGINE", "EXPECT_FIELDS", "KINDS", "REQUEST", "Mismatch", "compare",
            "kind_of_file", "select"]

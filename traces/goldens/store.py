@@ -31,9 +31,9 @@ from typing import Any
 
 import pyarrow as pa
 
+from traces.goldens.kind import GoldenKind
 from traces.model import schema
 from traces.model.errors import TraceError, reject_unknown_keys, require_int
-from traces.goldens.kind import GoldenKind
 
 StoreExpect = dict[str, dict[str, Any]]
 

@@ -45,8 +45,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from traces.model import schema
 from traces.io.atomic_dir import fsync_path
+from traces.model import schema
 from traces.model.errors import TraceError
 
 log = logging.getLogger("prefix_replayer.recorder")

@@ -16,8 +16,13 @@ from typing import Any
 import yaml
 
 from traces.model.errors import TraceError
-from traces.model.limits import (MAX_NESTING, MAX_YAML_BYTES, MAX_YAML_EXPANDED, decode_utf8,
-                     read_bounded)
+from traces.model.limits import (
+    MAX_NESTING,
+    MAX_YAML_BYTES,
+    MAX_YAML_EXPANDED,
+    decode_utf8,
+    read_bounded,
+)
 
 MERGE_TAG = "tag:yaml.org,2002:merge"
 

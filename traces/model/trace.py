@@ -16,18 +16,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from traces.model import schema
-from traces.io.atomic import write_atomic, write_atomic_many
-from traces.model.engine_spec import EngineBlock
-from traces.io.atomic_dir import output_dir_plan, publish_dir
-from traces.model.errors import TraceError
 from traces.goldens.kind import GoldenKind
 from traces.goldens.outcomes import KINDS, Goldens, kind_of_file
-from traces.model.limits import MAX_JSON_BYTES, load_json, read_bounded
+from traces.io.atomic import write_atomic, write_atomic_many
+from traces.io.atomic_dir import output_dir_plan, publish_dir
+from traces.io.parts import read_parts
 from traces.io.request_stream import RequestLists, open_parquet
+from traces.model import schema
+from traces.model.engine_spec import EngineBlock
+from traces.model.errors import TraceError
+from traces.model.limits import MAX_JSON_BYTES, load_json, read_bounded
 from traces.model.sanity import check_golden_table
 from traces.model.validate import validate_header, validate_table, validate_trace
-from traces.io.parts import read_parts
 
 
 @dataclass

@@ -17,8 +17,12 @@ from traces.model import schema
 from traces.model.engine_spec import EngineBlock
 from traces.model.errors import TraceError
 from traces.model.events import check_event_row
-from traces.model.sanity import (check_async_scheduling, check_header_bounds, check_sized_engine,
-                     request_bound_checks)
+from traces.model.sanity import (
+    check_async_scheduling,
+    check_header_bounds,
+    check_sized_engine,
+    request_bound_checks,
+)
 
 if TYPE_CHECKING:
     from traces.model.trace import Trace

@@ -12,14 +12,15 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from traces.goldens.outcomes import KINDS
+from traces.goldens.store import STORE
+from traces.io.safe_yaml import load_yaml_file
 from traces.model import schema
 from traces.model.engine_spec import EngineBlock
 from traces.model.errors import MAX_INT, TraceError, reject_unknown_keys, require_int
 from traces.model.events import parse_event
 from traces.model.limits import MAX_TOKENS, TokenBudget
-from traces.io.safe_yaml import load_yaml_file
-from traces.goldens.outcomes import KINDS
-from traces.goldens.store import STORE
 from traces.model.tokens import stream_tokens
 from traces.model.trace import Trace
 from traces.model.validate import validate_trace

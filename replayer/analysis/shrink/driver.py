@@ -18,14 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from traces import load_target
-
 from replayer.analysis.shrink.case import Case
 from replayer.analysis.shrink.engine import shrink_engine
 from replayer.analysis.shrink.prompts import shrink_prompts
 from replayer.analysis.shrink.prop import LimitReached, Prober
 from replayer.analysis.shrink.search import ddmin
 from replayer.analysis.shrink.writer import roles, scenario_yaml
+from traces import load_target
 
 
 class ShrinkFailed(Exception):
@@ -178,10 +177,9 @@ def _description(target, prop, case0: Case, best: Case, names, probes, changes,
 
 def _write(target, output, prop, case0, best, clients, prober, changes, stopped,
            say) -> Outcome:
+    from replayer.check import goldens as golden_check
     from traces.io.atomic import write_atomic
     from traces.scenarios.compile import compile_scenario
-
-    from replayer.check import goldens as golden_check
     focus = getattr(prop, "request", None) or prop.evaluate(best, clients).focus
     names = roles(best, focus)
     text = scenario_yaml(best, names, _description(target, prop, case0, best, names,

@@ -18,10 +18,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from traces.io.atomic import write_atomic
-
 from replayer.recorder.live.server import SERVED_NAME
 from replayer.recorder.live.stream import LiveRequest
+from traces.io.atomic import write_atomic
 
 CLIENT_FILE = "client.parquet"
 CLIENT_SCHEMA = pa.schema([

@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
+from replayer import MODELS_DIR
+
+MODELS = MODELS_DIR
 
 
 @dataclass(frozen=True)

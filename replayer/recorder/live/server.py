@@ -19,9 +19,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from replayer import SOURCE_ROOT
 from replayer.recorder.live.configs import ServeConfig
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = SOURCE_ROOT
 SERVE_VENV = ROOT / ".venv-serve"
 SERVED_NAME = "tiny"
 LOG_TAIL = 15

@@ -24,10 +24,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from replayer.replay.store.master import MasterProcess
 from replayer.recorder.live.client import write_client
 from replayer.recorder.live.configs import ServeConfig
 from replayer.recorder.live.server import SERVED_NAME, Server
+from replayer.replay.store.master import MasterProcess
 
 MASTER_KEYS_FILE = "master_keys.txt"
 PREFIX_LEN, SUFFIX_LEN, PROMPTS = 1000, 64, 3

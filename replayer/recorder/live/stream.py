@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from replayer import SOURCE_ROOT
 from traces.model.tokens import block_tokens
 
-SOURCE = (Path(__file__).resolve().parent.parent.parent / "fixtures" / "traces"
+SOURCE = (SOURCE_ROOT / "fixtures" / "traces"
           / "conversation_500" / "requests.parquet")
 MOONCAKE_BLOCK_TOKENS = 512
 

@@ -13,10 +13,16 @@ import importlib
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
+from replayer.replay.engines.base import (
+    EngineAdapter,
+    EngineError,
+    EngineInfo,
+    EngineRequest,
+    PrefillOutcome,
+    StepResult,
+    UnsupportedByEngine,
+)
 from traces.model.engine_spec import EngineBlock
-
-from replayer.replay.engines.base import (EngineAdapter, EngineError, EngineInfo, EngineRequest, PrefillOutcome,
-                   StepResult, UnsupportedByEngine)
 
 if TYPE_CHECKING:
     from replayer.replay.engines.specs import ResolvedEngine

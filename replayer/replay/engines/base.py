@@ -11,9 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from traces.goldens.kind import engine_key
-
 from replayer.replay.schedule import KeySelector
+from traces.goldens.kind import engine_key
 
 
 class EngineError(RuntimeError):

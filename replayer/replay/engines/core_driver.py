@@ -33,22 +33,36 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from vllm.config import (CacheConfig, DeviceConfig, KVEventsConfig, ModelConfig,
-                         ParallelConfig, SchedulerConfig, SpeculativeConfig, VllmConfig)
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
-from traces.model.engine_spec import RETAIN_DENSE, EngineBlock
-
-from replayer.replay.engines.base import EngineAdapter, EngineInfo, EngineRequest, PrefillOutcome, StepResult
+from replayer import MODELS_DIR
+from replayer.replay.engines.base import (
+    EngineAdapter,
+    EngineInfo,
+    EngineRequest,
+    PrefillOutcome,
+    StepResult,
+)
 from replayer.replay.engines.prefix_hashes import PrefixHashCache
+from traces.model.engine_spec import RETAIN_DENSE, EngineBlock
 
 # The tiny model config directories vLLM reads (no hub): the target, its EAGLE
 # draft, and an MTP draft (MiMo's architecture, which vLLM turns into mimo_mtp).
-MODELS = Path(__file__).resolve().parent.parent / "models"
+MODELS = MODELS_DIR
 TARGET_MODEL = MODELS / "tiny-llama"
 DRAFT_MODEL = MODELS / "tiny-eagle"
 MTP_DRAFT_MODEL = MODELS / "tiny-mtp"

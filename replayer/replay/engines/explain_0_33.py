@@ -11,8 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
-                                        MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 
 def group_kind(spec: Any) -> str:

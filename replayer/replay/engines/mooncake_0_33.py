@@ -61,13 +61,12 @@ from typing import Any
 
 from vllm.config import KVTransferConfig
 
-from traces.model.engine_spec import EngineBlock
-from traces.model.store_codes import code_name
-
-from replayer.replay.schedule import KeySelector
-from replayer.replay.store import StoreSpec
 from replayer.replay.engines.core_driver import CoreEngine, NullExecutor
 from replayer.replay.engines.mooncake_session import StoreSession
+from replayer.replay.schedule import KeySelector
+from replayer.replay.store import StoreSpec
+from traces.model.engine_spec import EngineBlock
+from traces.model.store_codes import code_name
 
 CONNECTOR_NAMES = {"mooncake_store": "MooncakeStoreConnector"}
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from vllm.config import VllmConfig
 
 from replayer.replay.store.recording import RecordingStore
@@ -89,7 +88,6 @@ def init_one_rank_world(vllm_config: VllmConfig, tmp: Path) -> None:
     EngineCore's shutdown tears the groups down, so each engine builds them anew.
     """
     import torch.distributed as dist
-
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import model_parallel_is_initialized

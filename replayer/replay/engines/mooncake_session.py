@@ -21,21 +21,29 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import BlobBlockHashes
 from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import (
-    decode_lookup_response, encode_lookup_response)
+    decode_lookup_response,
+    encode_lookup_response,
+)
 from vllm.forward_context import set_forward_context
 from vllm.v1.outputs import KVConnectorOutput
 
+from replayer.replay.engines.mooncake_ranks import (
+    NoopCudaEvent,
+    WorkerRank,
+    allocate_kv_caches,
+    as_rank,
+    create_worker_connector,
+    init_one_rank_world,
+    start_up_log,
+)
 from replayer.replay.schedule import KeySelector
 from replayer.replay.store import StoreError, StoreSpec
 from replayer.replay.store.master import MasterProcess, wait_reachable
 from replayer.replay.store.memory import MemoryStore, ReplicateConfig
 from replayer.replay.store.recording import Fault, RecordingStore, StoreOps
-from replayer.replay.engines.mooncake_ranks import (NoopCudaEvent, WorkerRank, allocate_kv_caches, as_rank,
-                             create_worker_connector, init_one_rank_world, start_up_log)
 
 # The real pool (Mooncake's default), touched lazily; --store-capacity sets it.
 SEGMENT_BYTES = 4 * 1024 ** 3
@@ -140,7 +148,9 @@ class StoreSession:
     def init_worker(self, vllm_config: VllmConfig, kv_cache_config: Any,
                     boundary_of) -> None:
         from vllm.distributed.kv_transfer.kv_transfer_state import (
-            ensure_kv_transfer_initialized, get_kv_transfer_group)
+            ensure_kv_transfer_initialized,
+            get_kv_transfer_group,
+        )
 
         init_one_rank_world(vllm_config, self.tmp)
         if not torch.cuda.is_available():

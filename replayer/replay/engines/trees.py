@@ -108,8 +108,14 @@ def _toplevel(repo: Path) -> tuple[str, Path]:
 
 def commit_sources(repo: Path, commit: str) -> Path:
     """Where ``repo`` lands in the cached export of ``commit``, exported if needed."""
-    from replayer.replay.engines.releases import CACHE_ENV, _locked, cache_dir, compile_once, compile_sources, \
-        is_compiled
+    from replayer.replay.engines.releases import (
+        CACHE_ENV,
+        _locked,
+        cache_dir,
+        compile_once,
+        compile_sources,
+        is_compiled,
+    )
 
     _, rel = _toplevel(repo)
     sha = commit if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", commit) else \

@@ -46,19 +46,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from vllm.config import VllmConfig
-from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
-                                        KVCacheSpec, MambaSpec, MLAAttentionSpec,
-                                        SlidingWindowSpec)
-
-from traces.model.engine_spec import EngineBlock
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from replayer.replay.engines import check_connector, store_adapter
 from replayer.replay.engines.base import UnsupportedByEngine
-from replayer.replay.engines.core_driver import (CoreEngine, LayerPlan, NullExecutor, build_config, cache_kwargs,
-                          plan_layers)
-
+from replayer.replay.engines.core_driver import (
+    CoreEngine,
+    LayerPlan,
+    NullExecutor,
+    build_config,
+    cache_kwargs,
+    plan_layers,
+)
+from traces.model.engine_spec import EngineBlock
 
 VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
 SHARED_PREFIX_CHECKPOINT_SINCE = (0, 31)        # CacheConfig.enable_mamba_shared_prefix_checkpoint

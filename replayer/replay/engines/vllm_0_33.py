@@ -22,18 +22,24 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-
 from vllm.config import VllmConfig
-from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
-                                        KVCacheSpec, MambaSpec, MLAAttentionSpec,
-                                        SlidingWindowSpec)
-
-from traces.model.engine_spec import EngineBlock
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from replayer.replay.engines.core_driver import LayerPlan, build_config, plan_layers
-from replayer.replay.engines.mooncake_0_33 import StoreAwareExecutor, StoreConnectorEngine, kv_transfer_config
+from replayer.replay.engines.mooncake_0_33 import (
+    StoreAwareExecutor,
+    StoreConnectorEngine,
+    kv_transfer_config,
+)
 from replayer.replay.engines.prefix_hashes import PrefixHashCache
-
+from traces.model.engine_spec import EngineBlock
 
 VERSIONS = ("0.33",)          # release range this adapter serves
 DTYPE = torch.float16

@@ -33,14 +33,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from traces import Trace
-
+from replayer import SOURCE_ROOT
 from replayer.replay.engines import EngineError, check_supported
 from replayer.replay.engines.specs import ResolvedEngine
 from replayer.replay.execution.determinism import INTERPRETER_SEED
 from replayer.replay.execution.wire import AnswerLost, Job, read_answer, send
+from traces import Trace
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = SOURCE_ROOT
 
 
 def write_overlay(engine: ResolvedEngine, overlay: Path) -> None:

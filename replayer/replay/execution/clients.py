@@ -24,11 +24,10 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from traces import Trace
-
 from replayer.replay.engines.base import EngineInfo
 from replayer.replay.engines.specs import INSTALLED, EngineSpec, ResolvedEngine, resolve
 from replayer.replay.loop import ReplayResult
+from traces import Trace
 
 Spec = str | EngineSpec | ResolvedEngine
 

@@ -12,13 +12,12 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from traces import Trace
-
 from replayer.replay.engines import EngineAdapter, open_engine
 from replayer.replay.engines.specs import INSTALLED, EngineSpec, ResolvedEngine, resolve
-from replayer.replay.loop import Progress, ReplayResult, refuse_unsupported, replay
 from replayer.replay.execution.determinism import engine_hash_seed
 from replayer.replay.execution.gc_tuning import fewer_gc_passes
+from replayer.replay.loop import Progress, ReplayResult, refuse_unsupported, replay
+from traces import Trace
 
 Spec = str | EngineSpec | ResolvedEngine
 

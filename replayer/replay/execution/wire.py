@@ -98,11 +98,10 @@ def rebuild_error(name: str, message: str) -> Exception:
     """The client's exception for an error an engine process reported by class
     name: the same class where it is one of the replay's own (a full disk's
     RecordingError stays one), else EngineError; ``str()`` is the message."""
-    from traces import TraceError
-    from traces.io.parts import RecordingError
-
     from replayer.replay.engines import EngineError, UnsupportedByEngine
     from replayer.replay.loop import ReplayError
+    from traces import TraceError
+    from traces.io.parts import RecordingError
 
     known: dict[str, type[Exception]] = {
         c.__name__: c for c in (UnsupportedByEngine, ReplayError, TraceError,
@@ -128,10 +127,9 @@ def answer_frames(replay: Any, job: Job, answers: BinaryIO) -> None:
     same in a child process and in a warm server's fork."""
     import traceback
 
-    from traces import TraceError
-
     from replayer.replay.engines import EngineError
     from replayer.replay.loop import ReplayError
+    from traces import TraceError
 
     bad_input: tuple[type[BaseException], ...] = (TraceError, EngineError, ReplayError)
     try:

@@ -7,8 +7,7 @@ keeps the replay's imports where they were.
 
 from __future__ import annotations
 
-from traces.model.store_codes import (CODES, INVALID_PARAMS, OBJECT_NOT_FOUND, RPC_FAIL,  # noqa: F401
-                                code_name)
+from traces.model.store_codes import CODES, INVALID_PARAMS, OBJECT_NOT_FOUND, RPC_FAIL, code_name  # noqa: F401
 
 
 class StoreError(RuntimeError):

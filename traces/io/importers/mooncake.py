@@ -19,7 +19,14 @@ import pyarrow as pa
 from traces.model import schema
 from traces.model.engine_spec import EngineBlock
 from traces.model.errors import TraceError
-from traces.model.limits import MAX_IMPORT_BLOCK_IDS, MAX_INT, MAX_TOKENS, jsonl_lines, load_json, short
+from traces.model.limits import (
+    MAX_IMPORT_BLOCK_IDS,
+    MAX_INT,
+    MAX_TOKENS,
+    jsonl_lines,
+    load_json,
+    short,
+)
 from traces.model.step_clock import DEFAULT_STEP_MS, arrival_steps
 from traces.model.trace import Trace
 from traces.model.validate import validate_trace

@@ -23,9 +23,9 @@ from typing import Any, Callable, Sequence
 
 from replayer.replay.engines import EngineError, check_supported
 from replayer.replay.execution.child_process import stderr_fd
-from replayer.replay.execution.wire import AnswerLost, Job, encode, read_answer, recv, send
 from replayer.replay.execution.warm import paths
 from replayer.replay.execution.warm.fingerprint import engine_fingerprint, environment_key
+from replayer.replay.execution.wire import AnswerLost, Job, encode, read_answer, recv, send
 
 # The server answers a request at once (a note, or the fork's ready) unless it
 # is starting an engine parent, which it says first; then it may take minutes.

@@ -88,8 +88,8 @@ requests:
 def preload(engine: Any) -> dict[str, Any]:
     """Import what a replay on ``engine`` imports; freeze the heap; say what was done."""
     start = time.perf_counter()
-    from replayer.replay.execution import in_process  # noqa: F401 - the replay loop, the engines package
     from replayer.replay.engines import adapter_module_for
+    from replayer.replay.execution import in_process  # noqa: F401 - the replay loop, the engines package
 
     __import__(adapter_module_for(engine.info.vllm))
     import vllm  # noqa: F401
@@ -140,10 +140,9 @@ def _modules_a_replay_imports(engine: Any) -> list[str]:
 
 
 def _warm_up(engine: Any) -> None:
-    from traces.scenarios.compile import compile_scenario
-
-    from replayer.replay.store import parse_store_spec
     from replayer.replay.execution.in_process import replay_here
+    from replayer.replay.store import parse_store_spec
+    from traces.scenarios.compile import compile_scenario
 
     with tempfile.TemporaryDirectory(prefix="replayer-warm-up-") as tmp:
         for name, text in WARM_UP_SCENARIOS.items():

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from replayer import SOURCE_ROOT
+
 _PACKAGES = ("replayer", "traces")
 # Variables read at import time (vLLM's logging, torch's, the hub, Mooncake's
 # glog, thread pools) or that decide what is imported (PYTHONPATH).
@@ -53,7 +55,7 @@ def _tree_stat(root: Path, suffixes: tuple[str, ...] = (".py",)) -> str:
 def _own_sources() -> str:
     """This package's Python files by content (about 1 MB, milliseconds): a copy
     of the same checkout elsewhere is the same replayer, byte for byte."""
-    here = Path(__file__).resolve().parents[3]          # the directory holding replayer/
+    here = SOURCE_ROOT                    # the directory holding replayer/
     h = hashlib.sha256()
     for package in _PACKAGES:
         root = here / package

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from replayer.replay.execution.wire import decode, encode
 from replayer.replay.execution.warm import paths
 from replayer.replay.execution.warm.fingerprint import changed_parts
+from replayer.replay.execution.wire import decode, encode
 
 PROTOCOL = 1
 DEFAULT_IDLE_TIMEOUT_S = 4 * 3600

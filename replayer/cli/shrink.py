@@ -1,6 +1,5 @@
-"""``replayer shrink``'s options checked and turned into a property, then the run.
+"""`replayer shrink`: its options checked and turned into a property, then the run.
 
-Kept apart from :mod:`replayer.cli.main` so that file only names the command.
 Bad options, an unknown cause or request, an engine that does not run and a
 property the input does not have are one line on stderr and exit 2.
 """
@@ -8,9 +7,31 @@ property the input does not have are one line on stderr and exit 2.
 from __future__ import annotations
 
 import sys
-from typing import Callable
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 2, 130
+from replayer.cli.common import ENGINE_HELP, EXIT_OK, error, no_server_opt
+
+EXIT_INTERRUPTED = 130
+
+
+def add_parser(sub) -> None:
+    shr = sub.add_parser("shrink", help="cut a trace down to a small scenario that keeps one "
+                                        "property (a loss by cause, or two engines disagreeing)")
+    shr.add_argument("target", help="scenario .yaml or trace directory")
+    shr.add_argument("-o", "--output", required=True, metavar="SCENARIO.yaml")
+    shr.add_argument("--request", metavar="ID", help="the request the property is about")
+    shr.add_argument("--lost-by", metavar="CAUSE", help="keep: --request loses tokens to this "
+                                                        "cause (replayer explain's causes)")
+    shr.add_argument("--at-least", type=int, metavar="N",
+                     help="with --lost-by: at least N tokens (default: as many as the input)")
+    shr.add_argument("--engine", metavar="SPEC", help="with --lost-by: " + ENGINE_HELP)
+    shr.add_argument("--diff", nargs=2, metavar=("ENGINE_A", "ENGINE_B"),
+                     help="keep: the two engines disagree (on --request, if given)")
+    shr.add_argument("--on", choices=("outcomes", "store"), default="outcomes",
+                     help="with --diff: disagree on hits (default) or on store keys/lookups")
+    shr.add_argument("--max-probes", type=int, metavar="N", help="stop after N probes")
+    shr.add_argument("--timeout", type=float, metavar="SECONDS", help="stop after this long")
+    shr.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
+    no_server_opt(shr)
 
 
 def property_of(args):
@@ -38,22 +59,22 @@ def property_of(args):
                   None if args.request is None else str(args.request))
 
 
-def run_shrink(args, err: Callable[[str], int]) -> int:
+def run(args) -> int:
     from replayer.analysis.shrink.driver import ShrinkFailed, shrink
 
     try:
         prop = property_of(args)
     except ValueError as exc:
-        return err(str(exc))
+        return error(str(exc))
     if args.max_probes is not None and args.max_probes < 1:
-        return err("--max-probes must be at least 1")
+        return error("--max-probes must be at least 1")
     if args.timeout is not None and args.timeout <= 0:
-        return err("--timeout must be positive")
+        return error("--timeout must be positive")
     try:
         out = shrink(args.target, args.output, prop, max_probes=args.max_probes,
                      timeout=args.timeout)
     except ShrinkFailed as exc:
-        return err(str(exc))
+        return error(str(exc))
     r, t = out.requests, out.tokens
     print(f"wrote {out.output}: {r[1]} request(s) of {r[0]}, {out.events[1]} event(s) of "
           f"{out.events[0]}, {t[1]} prompt token(s) of {t[0]}; {out.probes} probe(s), "

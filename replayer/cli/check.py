@@ -1,0 +1,136 @@
+"""`replayer check`: replay targets and compare with their goldens, or with what a
+recording observed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from replayer.cli.common import (
+    EXIT_MISMATCH,
+    EXIT_OK,
+    check_store_applies,
+    engine_opts,
+    load_with_sets,
+    note_skipped,
+    replay_target,
+    set_opt,
+    store_spec,
+)
+from traces import TraceError
+
+
+def add_parser(sub) -> None:
+    check = sub.add_parser("check", help="replay targets and compare with their goldens")
+    check.add_argument("targets", nargs="+",
+                       help="scenarios, trace directories, or folders of them")
+    check.add_argument("--update-golden", action="store_true",
+                       help="rewrite the goldens from this replay (still exits 1, for review)")
+    check.add_argument("--against", choices=["goldens", "recorded"], default="goldens",
+                       help="compare with the goldens (default), or with what a recorded trace "
+                            "itself observed: outcomes, steps, store keys")
+    engine_opts(check)
+    set_opt(check)
+
+
+def run(args) -> int:
+    from replayer.replay.engines import UnsupportedByEngine
+    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.execution.clients import engine_runner
+
+    spec = parse_spec(args.engine)
+    paths = expand_targets(args.targets)
+    # All bad input is reported before any replay.
+    traces = [(p, load_with_sets(p, args.set)) for p in paths]
+    if args.set and args.update_golden:
+        raise TraceError("--set", "goldens belong to the trace's own geometry "
+                                  "(drop --update-golden)")
+    check_store_applies(args, [t for _, t in traces])
+    for _, trace in traces:
+        note_skipped(trace)
+    if args.against == "recorded":
+        return check_recorded(args, traces, spec)
+    worst = EXIT_OK
+    if not args.update_golden:                      # said before any replay, and not replayed
+        from replayer.check.goldens import (
+            engine_key_of,
+            has_goldens,
+            no_goldens,
+            said_before_replay,
+        )
+
+        key = engine_key_of(spec)
+        unchecked = [(p, t) for p, t in traces
+                     if said_before_replay(spec, t) and not has_goldens(t, key)]
+        for path, _ in unchecked:
+            print("\n".join(no_goldens(path, key)), flush=True)
+            worst = EXIT_MISMATCH
+        traces = [(p, t) for p, t in traces if all(p is not q for q, _ in unchecked)]
+        if not traces:
+            return worst
+    with engine_runner(spec) as run:                # one engine process for every target
+        for path, trace in traces:
+            try:
+                result = replay_target(trace, args, run)
+            except UnsupportedByEngine as exc:
+                print(f"SKIP {path}: {exc}")
+                continue
+            worst = max(worst, check_one(args, path, trace, result))
+    return worst
+
+
+
+def expand_targets(targets: Sequence[str]) -> list[Path]:
+    """Folders that are not traces expand to the scenarios and traces inside."""
+    out: list[Path] = []
+    for t in targets:
+        p = Path(t)
+        if p.is_dir() and not (p / "header.json").exists():
+            found = sorted(q for q in p.rglob("*") if (q.suffix in (".yaml", ".yml")
+                           or (q.is_dir() and (q / "header.json").exists()))
+                           # dot-names: temporaries of a killed import, hidden folders
+                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
+            if not found:
+                raise TraceError(p, "holds no scenario (.yaml) or trace directory")
+            out.extend(found)
+        else:
+            out.append(p)
+    return out
+
+
+
+def check_recorded(args, traces, spec) -> int:
+    """``check --against recorded``: each replay against its own recording, on the
+    installed vLLM or a release the recorder hooks (``--engine vllm==0.32.0``)."""
+    from replayer.check.recorded import check_against_recorded
+    from replayer.replay.engines import UnsupportedByEngine
+
+    if args.update_golden:
+        raise TraceError("--against recorded", "recorded observations are never rewritten "
+                                               "(drop --update-golden)")
+    store = store_spec(args)
+    worst = EXIT_OK
+    for path, trace in traces:
+        try:
+            lines, ok, _ = check_against_recorded(trace, store=store, spec=spec)
+        except UnsupportedByEngine as exc:
+            print(f"SKIP {path}: {exc}")
+            continue
+        print(f"{'PASS' if ok else 'FAIL'} {path}: {lines[0]}")
+        for line in lines[1:]:
+            print(line)
+        worst = max(worst, EXIT_OK if ok else EXIT_MISMATCH)
+    return worst
+
+
+
+def check_one(args, path: Path, trace, result) -> int:
+    """Compare one replay with its goldens (or rewrite them); the exit code it earns."""
+    from replayer.check import goldens as golden_check
+    if args.update_golden:
+        print("\n".join(golden_check.update(path, trace, result)))
+        return EXIT_MISMATCH                        # a rewrite is always reviewed
+    lines, ok = golden_check.check(path, trace, result)
+    print("\n".join(lines))
+    return EXIT_OK if ok else EXIT_MISMATCH
+

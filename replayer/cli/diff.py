@@ -1,0 +1,55 @@
+"""`replayer diff`: one target on two engines, and what differs."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from replayer.cli.common import (
+    ENGINE_HELP,
+    EXIT_MISMATCH,
+    EXIT_OK,
+    check_outputs,
+    check_store_applies,
+    engine_opts,
+    error,
+    replay_target,
+)
+from traces import load_target
+
+
+def add_parser(sub) -> None:
+    diff = sub.add_parser("diff", help="replay a target on two engines; print what differs")
+    diff.add_argument("target", help="scenario .yaml or trace directory")
+    diff.add_argument("--engine", action="append", required=True, metavar="SPEC",
+                      help="give it twice: engine A, then engine B (" + ENGINE_HELP + ")")
+    diff.add_argument("--json", metavar="OUT",
+                      help="write the differences as JSON ('-' for stdout)")
+    engine_opts(diff, engine=False)
+
+
+def run(args) -> int:
+    from replayer.compare.outcomes import compare_results, diff_table
+    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.execution.clients import engine_runner
+    from traces.io.atomic import write_atomic
+
+    if len(args.engine) != 2:
+        return error(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
+    specs = [parse_spec(e) for e in args.engine]
+    check_outputs(args)
+    trace = load_target(args.target)
+    check_store_applies(args, [trace])
+    results = []
+    for spec in specs:
+        with engine_runner(spec) as run:
+            results.append(replay_target(trace, args, run))
+    d = compare_results(*results)
+    print(diff_table(d), file=sys.stderr if args.json == "-" else sys.stdout)
+    text = json.dumps(d.as_dict(), indent=2) + "\n"
+    if args.json == "-":
+        sys.stdout.write(text)
+    elif args.json:
+        write_atomic(args.json, text)
+    return EXIT_OK if d.identical else EXIT_MISMATCH
+

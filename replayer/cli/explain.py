@@ -1,0 +1,53 @@
+"""`replayer explain`: reachable vs actual hits per request, the lost tokens by cause."""
+
+from __future__ import annotations
+
+import sys
+
+from replayer.cli.common import (
+    EXIT_OK,
+    engine_opts,
+    error,
+    explain_target,
+    load_with_sets,
+    note_skipped,
+    set_opt,
+    store_spec,
+)
+
+
+def add_parser(sub) -> None:
+    exp = sub.add_parser("explain", help="reachable vs actual hits per request, lost tokens "
+                                         "by cause (counterfactual replays)")
+    exp.add_argument("target", help="scenario .yaml or trace directory")
+    exp.add_argument("--json", metavar="OUT",
+                     help="write requests and summary as JSON ('-' for stdout)")
+    exp.add_argument("--parquet", metavar="OUT", help="write the per-request table as Parquet")
+    exp.add_argument("--top", type=int, default=5, help="requests listed by lost tokens (5)")
+    engine_opts(exp)
+    set_opt(exp)
+
+
+def run(args) -> int:
+    from replayer.analysis.explain_tables import render, write_parquet_atomic
+    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.execution.clients import engine_runner
+    from traces.io.atomic import write_atomic
+
+    spec = parse_spec(args.engine)
+    if args.top < 0:
+        return error("--top must be at least 0")
+    trace = load_with_sets(args.target, args.set)
+    note_skipped(trace)
+    store_spec(args)                        # a bad --store is reported before any replay
+    with engine_runner(spec) as run:         # one engine process for every counterfactual
+        ex = explain_target(trace, args, run)
+    print(render(ex, top=args.top))
+    if args.parquet:
+        write_parquet_atomic(args.parquet, ex.table)
+    if args.json == "-":
+        sys.stdout.write(ex.dumps())
+    elif args.json:
+        write_atomic(args.json, ex.dumps())
+    return EXIT_OK
+

@@ -1,0 +1,72 @@
+"""`replayer run`: replay one target and print its hits (and, on request, its JSON,
+store ops and KV events)."""
+
+from __future__ import annotations
+
+import sys
+
+from replayer.cli.common import (
+    EXIT_OK,
+    check_outputs,
+    check_store_applies,
+    engine_opts,
+    load_with_sets,
+    note_skipped,
+    replay_target,
+    set_opt,
+)
+from traces import TraceError
+
+
+def add_parser(sub) -> None:
+    run = sub.add_parser("run", help="replay a scenario or trace and print its hits")
+    run.add_argument("target", help="scenario .yaml or trace directory")
+    run.add_argument("--json", metavar="OUT", help="write results as JSON ('-' for stdout)")
+    run.add_argument("--store-ops", metavar="OUT.parquet",
+                     help="write every store operation as a store_ops table (connector traces)")
+    run.add_argument("--kv-events", metavar="OUT.parquet",
+                     help="turn vLLM's KV-cache events on and write them as a kv_events table "
+                          "(--json then holds their summary)")
+    engine_opts(run)
+    set_opt(run)
+
+
+def run(args) -> int:
+    from replayer.check.output import SpooledJson, dumps, run_table
+    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.execution.clients import engine_runner, runs_in_this_process
+    from traces.io.atomic import write_atomic
+
+    spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
+    check_outputs(args)                    # and an output that cannot be written
+    here = runs_in_this_process(spec)
+    # Replayed in this process: its prompts are read batch by batch.
+    trace = load_with_sets(args.target, args.set, stream=here)
+    note_skipped(trace)
+    if args.store_ops and not trace.engine.connector:
+        raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
+    check_store_applies(args, [trace])
+    if args.kv_events:
+        trace.kv_events_wanted = True
+    # --json FILE in this process: outcomes spooled as they complete, never all held.
+    spool = SpooledJson() if args.json and args.json != "-" and here else None
+    with engine_runner(spec) as run:
+        result = replay_target(trace, args, run, **({} if spool is None else {"sink": spool}))
+    print(run_table(result, shown_of=spool), file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.store_ops:
+        from traces.model import schema
+        from traces.model.trace import write_table_atomic
+        write_table_atomic(args.store_ops, schema.STORE_OPS, result.store["rows"])
+    if args.kv_events:
+        from traces.model import schema
+        from traces.model.trace import write_table_atomic
+        write_table_atomic(args.kv_events, schema.KV_EVENTS, result.kv_events or [])
+    if args.json == "-":
+        sys.stdout.write(dumps(result))
+    elif spool is not None:
+        write_atomic(args.json, lambda tmp: spool.write(tmp, result))
+        spool.close()
+    elif args.json:
+        write_atomic(args.json, dumps(result))
+    return EXIT_OK
+
