@@ -1,5 +1,6 @@
 # Everything a fresh machine needs: `make demo` and `make test` each build the
-# virtual environment first (Python 3.11+, vLLM 0.33.0 from PyPI, ~5 min once).
+# virtual environment first (Python 3.11+, vLLM 0.33.0 from PyPI, once; how long
+# it took: docs/benchmarks.md).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The test suite, as CI runs it (make test), in named phases: each says what it
 # runs before it starts and how long it took when it ends, and a summary ends
-# the run (the whole suite takes ~20-30 min on 2 cores; pytest's -q dots inside
-# a phase). Every phase runs even when an earlier one failed; the exit code is
-# non-zero if any did. Extra arguments go to every pytest run (e.g. -x).
+# the run (how long it took when last measured: docs/benchmarks.md; pytest's -q
+# dots inside a phase). Every phase runs even when an earlier one failed; the
+# exit code is non-zero if any did. Extra arguments go to every pytest run (e.g. -x).
 #
 # Test files are listed by phase below; a tests/test_*.py not listed runs in
 # "other tests", so none is ever left out. Tests that start a real
@@ -126,7 +126,7 @@ golden_fixtures() {  # nothing collected (exit 5) means the plugin is not regist
 }
 phase "golden fixtures through the plugin: pytest fixtures/ on installed and vllm==0.29.0" \
   golden_fixtures
-pytest_phase "README console blocks (tests/test_readme.py)" $README
+pytest_phase "console blocks of README.md and docs/ (tests/test_readme.py)" $README
 if [ -n "$OTHERS" ]; then
   # Two xdist workers: these files spend their time in CLI children, one core each
   # (all 262 tests pass under -n 2; releases are fetched under a file lock).

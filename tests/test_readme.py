@@ -1,4 +1,9 @@
-"""Every ```console block of README.md is run, and its output compared.
+"""Every ```console block of README.md and of the pages under docs/ is run, and its
+output compared.
+
+Blocks are collected from README.md (ids ``README.md:LINE``) and from every
+``docs/**/*.md`` page (ids ``docs/PAGE.md:LINE``), LINE being the opening fence's;
+every page is run the same way, from the repository's root.
 
 A block is a list of ``$ COMMAND`` lines, each followed by what it prints.
 Each block runs in a fresh copy of the repository (``.venv/bin/replayer`` and
@@ -8,7 +13,7 @@ code. What a command prints is its stdout, then its stderr.
 
 Normalisations, each because the thing truly varies, and nothing else:
 
-* a line ``...`` in the README stands for any number of lines (elided output);
+* a line ``...`` in a block stands for any number of lines (elided output);
 * ``/tmp/`` in a block (commands and output) is a private temporary directory;
 * ``replayer: fetching vllm==X: ...`` lines are dropped: they appear only when
   the release is not in the cache yet;
@@ -44,13 +49,15 @@ import pytest
 from helpers_traces import REPO
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 MARKER = re.compile(r"<!--\s*readme-test:\s*(.*?)\s*-->")
 FETCH_LINE = re.compile(r"^replayer: fetching vllm==\S+: ")
 SHRINK_SECONDS = re.compile(r"\b\d+\.\d s\b")
 SERVER_VARIES = [(re.compile(r"\bpid \d+"), "pid N"),
                  (re.compile(r"\b(ready|started) in \d+(\.\d+)? s"), r"\1 in N s"),
                  (re.compile(r"listening on \S+"), "listening on SOCKET")]
-COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".venv-*", "__pycache__", ".pytest_cache", "*.egg-info")
+COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", ".venv-*", "__pycache__", ".pytest_cache",
+                                     "*.egg-info")
 
 
 @dataclass
@@ -61,13 +68,14 @@ class Block:
     skip: str | None = None
     setups: list[str] = field(default_factory=list)
     own_server: bool = False
+    source: str = "README.md"                     # the page, relative to the repository
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.source}:{self.line}"
 
 
-def console_blocks(text: str) -> list[Block]:
+def console_blocks(text: str, source: str = "README.md") -> list[Block]:
     lines = text.splitlines()
     blocks: list[Block] = []
     i = 0
@@ -81,7 +89,7 @@ def console_blocks(text: str) -> list[Block]:
         while i < len(lines) and lines[i].strip() != "```":
             body.append(lines[i])
             i += 1
-        block = Block(line=start + 1, commands=[])
+        block = Block(line=start + 1, commands=[], source=source)
         prev = start - 1
         m = MARKER.search(lines[prev]) if prev >= 0 else None
         if m and m.group(1).startswith("skip"):     # the rest is the reason, commas and all
@@ -97,14 +105,14 @@ def console_blocks(text: str) -> list[Block]:
                 elif part.startswith("setup "):
                     block.setups.append(part[len("setup "):].strip())
                 else:
-                    raise ValueError(f"README.md:{prev + 1}: unknown readme-test marker {part!r}")
+                    raise ValueError(f"{source}:{prev + 1}: unknown readme-test marker {part!r}")
         for row in body:
             if row.startswith("$ "):
                 block.commands.append((row[2:], []))
             elif block.commands:
                 block.commands[-1][1].append(row)
             else:
-                raise ValueError(f"README.md:{start + 1}: a console block starts with '$ '")
+                raise ValueError(f"{source}:{start + 1}: a console block starts with '$ '")
         blocks.append(block)
         i += 1
     return blocks
@@ -230,7 +238,19 @@ def matches(expected: list[str], actual: list[str]) -> bool:
     return bool(actual) and expected[0] == actual[0] and matches(expected[1:], actual[1:])
 
 
-BLOCKS = console_blocks(README.read_text())
+def pages() -> list[Path]:
+    """README.md, then every page under docs/ in path order."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def all_blocks() -> list[Block]:
+    blocks: list[Block] = []
+    for page in pages():
+        blocks += console_blocks(page.read_text(), page.relative_to(REPO).as_posix())
+    return blocks
+
+
+BLOCKS = all_blocks()
 
 
 def _params() -> list:
@@ -243,6 +263,9 @@ def _params() -> list:
 
 def test_the_readme_has_console_blocks_and_known_markers():
     assert len(BLOCKS) >= 8
+    sources = {b.source for b in BLOCKS}
+    assert "README.md" in sources and any(s.startswith("docs/") for s in sources), sources
+    assert len({b.id for b in BLOCKS}) == len(BLOCKS)
     for b in BLOCKS:
         assert b.commands, f"{b.id}: no '$ ' command"
         for name in b.setups:
@@ -256,7 +279,7 @@ def test_console_block(block: Block, tmp_path: Path):
     for command, expected, actual in run_block(block, tmp_path):
         assert matches(expected, actual), (
             f"{block.id}: `{command}` printed\n" + "\n".join(actual)
-            + "\n--- but the README says\n" + "\n".join(expected))
+            + f"\n--- but {block.source} says\n" + "\n".join(expected))
 
 
 def test_the_copy_s_python_has_the_packages(tmp_path):
@@ -281,3 +304,5 @@ def test_matching_rules():
     block = console_blocks("<!-- readme-test: skip a GPU, and a model -->\n```console\n"
                            "$ nvidia-smi\n```\n")[0]
     assert block.skip == "a GPU, and a model"
+    block = console_blocks("text\n```console\n$ true\n```\n", "docs/page.md")[0]
+    assert (block.id, block.commands) == ("docs/page.md:2", [("true", [])])
