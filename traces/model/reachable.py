@@ -44,7 +44,7 @@ import polars as pl
 
 from traces.model.engine_spec import EngineBlock
 from traces.model.materialize import TokenSource, request_rows
-from traces.model.tokens import _mix, stream_seed
+from traces.model.tokens import mix, stream_seed
 from traces.model.trace import Trace
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -95,7 +95,7 @@ def trace_clock(trace: Trace) -> Clock:
 
 def _position_weights(n: int) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return _mix(_POS_DOMAIN + np.arange(1, n + 1, dtype=np.uint64) * _GOLDEN) | np.uint64(1)
+        return mix(_POS_DOMAIN + np.arange(1, n + 1, dtype=np.uint64) * _GOLDEN) | np.uint64(1)
 
 
 class _UnitHasher:
@@ -118,7 +118,7 @@ class _UnitHasher:
         n = len(tokens) // self.unit
         m = np.asarray(tokens[: n * self.unit], dtype=np.int64).astype(np.uint64)
         with np.errstate(over="ignore"):
-            content = _mix((m.reshape(n, self.unit) * self.token_weights).sum(axis=1,
+            content = mix((m.reshape(n, self.unit) * self.token_weights).sum(axis=1,
                                                                                 dtype=np.uint64)
                            ^ _UNIT_DOMAIN)
         return content
@@ -129,14 +129,14 @@ class _UnitHasher:
         seeds = np.repeat(np.asarray(ids, dtype=np.int64).astype(np.uint64), per)[:n]
         sub = np.tile(np.arange(1, per + 1, dtype=np.uint64), len(ids))[:n]
         with np.errstate(over="ignore"):
-            return _mix(_mix(seeds ^ _BLOCK_DOMAIN) + sub * _GOLDEN)
+            return mix(mix(seeds ^ _BLOCK_DOMAIN) + sub * _GOLDEN)
 
     def chain(self, content: np.ndarray, seed: int) -> np.ndarray:
         n = len(content)
         with np.errstate(over="ignore"):
             s = np.cumsum(content * self._weights(n), dtype=np.uint64)
             k = np.arange(1, n + 1, dtype=np.uint64)
-            return _mix(s ^ np.uint64(seed) ^ _mix(k * _GOLDEN))
+            return mix(s ^ np.uint64(seed) ^ mix(k * _GOLDEN))
 
 
 def _namespace(salt: str | None, lora: str | None) -> int:

@@ -35,7 +35,7 @@ def check_header_bounds(path: Path, header: dict[str, Any]) -> None:
 
 def check_async_scheduling(path: Any, engine: EngineBlock, source_kind: str | None) -> None:
     """The replay steps synchronously: async scheduling is accepted only in a recording
-    (replayed with the same hits, not step for step: see the README), never asked for."""
+    (replayed with the same hits, not step for step: see docs/recording.md), never asked for."""
     if engine.async_scheduling and source_kind != "recorded":
         raise TraceError(path, "engine.async_scheduling: true is not replayed (the replay "
                                "schedules synchronously); remove it or set it to false")

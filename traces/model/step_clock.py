@@ -1,6 +1,6 @@
 """The step clock: how wall-clock arrivals of imported traces become engine steps.
 
-One definition, read by the importer and documented in the README: a request
+One definition, read by the importer and documented in docs/scenarios.md: a request
 that arrived at ``t`` milliseconds enters the engine before step
 ``t // step_ms``. An engine step stands for ``step_ms`` of production time
 (20 ms by default, a typical decode step of a large model), so requests that

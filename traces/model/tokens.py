@@ -18,7 +18,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _BLOCK_DOMAIN = np.uint64(0xB10C_B10C_5EED_0001)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
     x = x ^ (x >> np.uint64(30))
     x = x * _M1
@@ -37,7 +37,7 @@ def stream_tokens(name: str, start: int, length: int, vocab_size: int) -> np.nda
     seed = np.uint64(stream_seed(name))
     pos = np.arange(start, start + length, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        out = _mix(seed + (pos + np.uint64(1)) * _GOLDEN)
+        out = mix(seed + (pos + np.uint64(1)) * _GOLDEN)
     return (out % np.uint64(vocab_size)).astype(np.int64)
 
 
@@ -51,7 +51,7 @@ def block_tokens(block_ids: np.ndarray | list[int], block_size: int, length: int
     # Only the blocks the prompt reaches: extra ids would cost block_size tokens each.
     ids = np.asarray(block_ids, dtype=np.int64)[: -(-length // block_size)].astype(np.uint64)
     with np.errstate(over="ignore"):
-        seeds = _mix(ids ^ _BLOCK_DOMAIN)
+        seeds = mix(ids ^ _BLOCK_DOMAIN)
         pos = np.arange(1, block_size + 1, dtype=np.uint64) * _GOLDEN
-        out = _mix(seeds[:, None] + pos[None, :]).reshape(-1)[:length]
+        out = mix(seeds[:, None] + pos[None, :]).reshape(-1)[:length]
     return (out % np.uint64(vocab_size)).astype(np.int64)

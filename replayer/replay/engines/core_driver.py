@@ -7,7 +7,8 @@ From 0.29 to 0.33, what the replay touches of ``EngineCore`` is the same:
 ``abort_requests``; the ``Executor`` base with its three abstract methods and
 the worker calls EngineCore makes while it plans the KV cache; and the
 ``ModelRunnerOutput``, ``DraftTokenIds`` and ``EngineCoreOutput.prefill_stats``
-dataclasses. That shared part lives here. Everything that differs (config
+dataclasses. That shared part lives here (its config objects and layer plan in
+:mod:`.engine_config`). Everything that differs (config
 fields, KV-cache spec constructors, what a release lacks) stays in the
 adapter of each release range, which builds the config and the layer specs
 and hands them to :class:`CoreEngine`.
@@ -28,28 +29,14 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
-from functools import partial
-from pathlib import Path
 from typing import Any
 
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVEventsConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    VllmConfig,
-)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
 
-from replayer import MODELS_DIR
 from replayer.replay.engines.base import (
     EngineAdapter,
     EngineInfo,
@@ -58,33 +45,6 @@ from replayer.replay.engines.base import (
     StepResult,
 )
 from replayer.replay.engines.prefix_hashes import PrefixHashCache
-from traces.model.engine_spec import RETAIN_DENSE, EngineBlock
-
-# The tiny model config directories vLLM reads (no hub): the target, its EAGLE
-# draft, and an MTP draft (MiMo's architecture, which vLLM turns into mimo_mtp).
-MODELS = MODELS_DIR
-TARGET_MODEL = MODELS / "tiny-llama"
-DRAFT_MODEL = MODELS / "tiny-eagle"
-MTP_DRAFT_MODEL = MODELS / "tiny-mtp"
-# A DFlash draft (Qwen3 architecture, vLLM's DFlashDraftModel) reading the
-# target's layer 0 hidden states (dflash_config.target_layer_ids).
-DFLASH_DRAFT_MODEL = MODELS / "tiny-dflash"
-
-
-def draft_model(method: str) -> Path:
-    """The draft config vLLM reads for ``method`` (it detects MTP from the config)."""
-    return {"mtp": MTP_DRAFT_MODEL, "dflash": DFLASH_DRAFT_MODEL}.get(method, DRAFT_MODEL)
-
-
-def set_mtp_modules(modules: int, hf_config: Any) -> Any:
-    """Target ``hf_overrides`` vLLM composes onto the draft's config: the MTP
-    draft's module count (``num_nextn_predict_layers``), which decides
-    multi-module MTP. Module-level for pickling, as vLLM asks."""
-    if getattr(hf_config, "model_type", None) == "mimo_mtp":
-        hf_config.update({"num_nextn_predict_layers": modules, "n_predict": modules})
-    return hf_config
-
-HEAD_SIZE = 4                 # of the largest-block attention group; others scale
 
 
 # The CoreEngine whose EngineCore is being built: EngineCore constructs the
@@ -183,146 +143,6 @@ class NullExecutor(Executor):
 
     def shutdown(self) -> None:
         return None
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """One KV-cache layer the null model reports, before a release's spec class."""
-
-    name: str
-    kind: str                 # full_attention | mamba | sliding_window | mla | chunked_local
-    block_size: int
-    head_size: int
-    page_bytes: int           # the common page size every group is padded to
-    sliding_window: int | None = None
-    draft: bool = False       # a layer of the EAGLE draft model
-    attention_chunk_size: int | None = None
-
-
-# CacheConfig / SchedulerConfig fields a trace may leave to vLLM (None), by
-# vLLM's names (the same in every release served; an adapter drops the ones
-# its release lacks).
-CACHE_KEYS = ("prefix_match_unit", "prefix_caching_hash_algo",
-              "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint")
-SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-                  "long_prefill_token_threshold")
-
-
-def _set(engine: EngineBlock, keys: tuple[str, ...]) -> dict[str, Any]:
-    """The settings among ``keys`` the trace pins (the rest stay vLLM's defaults)."""
-    values = {k: getattr(engine, k) for k in keys}
-    return {k: (None if v == RETAIN_DENSE else v) for k, v in values.items() if v is not None}
-
-
-def cache_kwargs(engine: EngineBlock) -> dict[str, Any]:
-    """``CacheConfig`` arguments from a sized engine block (vLLM resolves the rest)."""
-    out: dict[str, Any] = {
-        "block_size": engine.block_size,
-        "enable_prefix_caching": engine.enable_prefix_caching,
-        "num_gpu_blocks_override": engine.num_gpu_blocks,
-        **_set(engine, CACHE_KEYS),
-    }
-    mamba_sizes = [g.block_size for g in engine.kv_groups if g.kind == "mamba"]
-    if mamba_sizes:
-        out["mamba_cache_mode"] = engine.mamba_cache_mode
-        out["mamba_block_size"] = mamba_sizes[0]
-    return out
-
-
-def scheduler_kwargs(engine: EngineBlock) -> dict[str, Any]:
-    """``SchedulerConfig`` arguments; async scheduling stays off in the replay."""
-    return {"max_model_len": engine.max_model_len, "is_encoder_decoder": False,
-            "async_scheduling": False, "policy": engine.scheduling_policy,
-            **_set(engine, SCHEDULER_KEYS)}
-
-
-def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
-                 cache_args: dict[str, Any] | None = None,
-                 speculative_args: dict[str, Any] | None = None,
-                 kv_transfer: Any = None, kv_events: bool = False) -> VllmConfig:
-    """A sized engine block as vLLM's own config objects; vLLM resolves the rest.
-
-    An adapter passes what its release has beyond the shared fields: its
-    ``CacheConfig`` arguments (``cache_kwargs`` less what it lacks), extra
-    ``SpeculativeConfig`` arguments, a ``KVTransferConfig``; ``kv_events`` turns
-    vLLM's KV-cache events on, published to its null publisher, which
-    :class:`CoreEngine` fronts with a collector (the ZMQ seam)."""
-    spec = engine.speculative
-    overrides = {}
-    if spec is not None and spec.method == "mtp":
-        # vLLM applies a target's callable hf_overrides to the draft's config too.
-        overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
-    model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
-                        max_model_len=engine.max_model_len, dtype="float16", **overrides)
-    # TP/DCP as the scheduler sees them (the null executor stands for every rank).
-    ranks = {k: getattr(engine, k) for k in ("tensor_parallel_size",
-                                              "decode_context_parallel_size")
-             if getattr(engine, k) != 1}
-    parallel = ParallelConfig(distributed_executor_backend=executor_cls, **ranks)
-    speculative = None
-    if spec is not None:
-        speculative = SpeculativeConfig(
-            method=spec.method, model=str(draft_model(spec.method)),
-            num_speculative_tokens=spec.num_speculative_tokens,
-            target_model_config=model, target_parallel_config=parallel,
-            **(speculative_args or {}))
-    extra = {} if kv_transfer is None else {"kv_transfer_config": kv_transfer}
-    if kv_events:
-        extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
-                                                   publisher="null")
-    config = VllmConfig(model_config=model,
-                        cache_config=CacheConfig(**(cache_args or cache_kwargs(engine))),
-                        parallel_config=parallel,
-                        scheduler_config=SchedulerConfig(**scheduler_kwargs(engine)),
-                        device_config=DeviceConfig(device="cpu"), speculative_config=speculative,
-                        **extra)
-    # On a platform vLLM does not know (CPU without its kernels) it turns the
-    # hybrid KV-cache manager off; production GPUs keep it on.
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False
-    return config
-
-
-def plan_layers(engine: EngineBlock, dtype_bytes: int) -> list[LayerPlan]:
-    """One layer per declared group, plus the EAGLE draft layer and twins.
-
-    vLLM groups layers with equal specs and needs one page size across groups:
-    attention head sizes scale inversely with block size and Mamba pages are
-    padded to match, as vLLM's own hybrid models do. The draft model's layer
-    shares the first attention group's spec; the other groups get a twin layer
-    so that every group holds the same number of layers, as vLLM's grouping
-    assumes. ``speculative.draft_group`` names another group for the draft
-    layer to join (a real draft's layer has its target's geometry, so it
-    lands in the group of that spec).
-    """
-    groups = engine.kv_groups
-    draft_index = None
-    if engine.speculative is not None:
-        draft_index = engine.speculative.draft_group
-        if draft_index is None:
-            draft_index = next((i for i, g in enumerate(groups)
-                                if g.kind in ("full_attention", "mla")), None)
-    sizes = [g.block_size for g in groups]
-    largest = max(sizes)
-    for g, bs in zip(groups, sizes):
-        if g.kind != "mamba" and largest % bs:
-            raise ValueError(f"attention block size {bs} must divide the largest group "
-                             f"block size {largest}")
-    page = 2 * largest * HEAD_SIZE * dtype_bytes
-    plans: list[LayerPlan] = []
-    draft: LayerPlan | None = None
-    for i, (g, bs) in enumerate(zip(groups, sizes)):
-        kind = g.kind
-        plans.append(LayerPlan(f"model.layers.{i}.{kind}", kind, bs, HEAD_SIZE * largest // bs,
-                               page, g.sliding_window,
-                               attention_chunk_size=g.attention_chunk_size))
-        if i == draft_index:
-            draft = replace(plans[-1], name="draft.layers.0.attn", draft=True)
-            plans.append(draft)
-    if draft is not None:
-        for p in [p for p in plans if not p.draft]:
-            if replace(p, name=draft.name, draft=True) != draft:
-                plans.append(replace(p, name=f"{p.name}.twin"))
-    return plans
 
 
 class _Timed:

@@ -58,10 +58,9 @@ from vllm.v1.kv_cache_interface import (
 
 from replayer.replay.engines import check_connector, store_adapter
 from replayer.replay.engines.base import UnsupportedByEngine
-from replayer.replay.engines.core_driver import (
-    CoreEngine,
+from replayer.replay.engines.core_driver import CoreEngine, NullExecutor
+from replayer.replay.engines.engine_config import (
     LayerPlan,
-    NullExecutor,
     build_config,
     cache_kwargs,
     plan_layers,

@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from replayer.replay.engines.core_driver import LayerPlan, build_config, plan_layers
+from replayer.replay.engines.engine_config import LayerPlan, build_config, plan_layers
 from replayer.replay.engines.mooncake_0_33 import (
     StoreAwareExecutor,
     StoreConnectorEngine,
