@@ -24,7 +24,11 @@ from traces.goldens.store import STORE, compare_store
 
 pytestmark = pytest.mark.real_master
 
-STORE_FIXTURES = sorted(STORE_SCENARIOS.glob("*.yaml"))
+# A fixture that sizes its store (engine.mooncake_global_segment_size) is about
+# the memory store's evictions; a real master refuses it (test below).
+SIZED = [p for p in sorted(STORE_SCENARIOS.glob("*.yaml"))
+         if load_target(p).engine.mooncake_global_segment_size is not None]
+STORE_FIXTURES = [p for p in sorted(STORE_SCENARIOS.glob("*.yaml")) if p not in SIZED]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,20 @@ def test_check_cli_starts_its_own_master():
     proc = cli("check", "--store", "mooncake", "fixtures/store/")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("PASS") == len(STORE_FIXTURES)
+    assert SIZED and [line.split(":")[0] for line in proc.stdout.splitlines()
+                      if line.startswith("SKIP")] == [f"SKIP fixtures/store/{p.name}"
+                                                       for p in SIZED]
     assert proc.stderr == ""           # Mooncake's own logs stay quiet too
+
+
+def test_a_trace_that_sizes_its_store_is_refused_on_a_real_master_in_one_line():
+    proc = cli("check", "--store", "mooncake", SIZED[0])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"SKIP {SIZED[0]}: engine.mooncake_global_segment_size "
+                                  "(32768 bytes): store pressure is replayed on the memory "
+                                  "store"), proc.stdout
+    assert "wall-clock leases" in proc.stdout and "--store-capacity" in proc.stdout
+    assert len(proc.stdout.splitlines()) == 1
 
 
 def test_unreachable_master_fails_fast_and_writes_nothing(tmp_path):
@@ -123,9 +140,11 @@ def test_master_killed_mid_replay_stops_with_the_store_and_step(tmp_path, monkey
     assert scenario.read_text() == before          # never a golden written
 
 
-def test_put_error_code_is_surfaced_with_its_name(tmp_path):
+def test_a_full_real_pool_is_vllms_store_pressure_and_the_replay_goes_on(tmp_path):
     # Twelve distinct 50000-token prompts need ~30 MB of store; a 16 MB pool (the
-    # smallest the client mounts) fills up and the master refuses further puts.
+    # smallest the client mounts) fills up and the master refuses further puts
+    # (NO_AVAILABLE_HANDLE): vLLM's worker takes that as store pressure and skips
+    # the request's later puts, so the replay goes on and says it once.
     header = (STORE_SCENARIOS / "shared_prefix_junction.yaml").read_text()
     engine = header[header.index("engine:"):header.index("requests:")]
     reqs = "".join(f"  - {{id: r{i}, prompt: [{{stream: s{i}, len: 50000}}]}}\n"
@@ -133,12 +152,21 @@ def test_put_error_code_is_surfaced_with_its_name(tmp_path):
     scenario = tmp_path / "full.yaml"
     scenario.write_text(engine.replace("num_gpu_blocks: 256", "num_gpu_blocks: 2048")
                         + "requests:\n" + reqs)
-    proc = cli("run", "--store", "mooncake", "--store-capacity", "16MB", str(scenario))
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    line = proc.stderr.strip().splitlines()[-1]
-    assert line.startswith("replayer: error: store mooncake://127.0.0.1:")
-    assert "put of tiny-llama@" in line and "NO_AVAILABLE_HANDLE (-200)" in line
-    assert " at step " in line
+    ops = tmp_path / "ops.parquet"
+    proc = cli("run", "--store", "mooncake", "--store-capacity", "16MB", str(scenario),
+               "--store-ops", ops)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "the pool was full" in line]
+    assert len(notes) == 1, proc.stderr
+    assert notes[0].startswith("replayer: note: store mooncake://127.0.0.1:")
+    assert "NO_AVAILABLE_HANDLE, which vLLM's worker takes as store pressure" in notes[0]
+    assert "this master never evicts" in notes[0]
+    import polars as pl
+
+    puts = pl.read_parquet(ops).filter(pl.col("op") == "put")
+    refused = puts.filter(pl.col("result") == -200)
+    assert refused.height > 0 and puts.filter(pl.col("result") == 0).height > 0
+    assert f"the pool was full for {refused.height} put(s)" in notes[0]
 
 
 def test_store_that_cannot_start_is_a_one_line_error():

@@ -40,8 +40,9 @@ def engine_opts(sp: argparse.ArgumentParser, engine: bool = True) -> None:
                     help="store for a trace with a connector: memory (default), mooncake "
                          "(starts a mooncake_master on loopback) or mooncake://HOST:PORT")
     sp.add_argument("--store-capacity", metavar="SIZE",
-                    help="store pool size, e.g. 64MB (memory: oldest keys evicted first; "
-                         "mooncake: the master's segment)")
+                    help="each rank's store segment, e.g. 64MB, over the trace's "
+                         "engine.mooncake_global_segment_size (memory: oldest keys "
+                         "evicted first; mooncake: a pool that never evicts)")
 
 
 def set_opt(sp: argparse.ArgumentParser) -> None:

@@ -80,7 +80,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="store for traces with a connector: memory (default), mooncake "
                          "(a mooncake_master on loopback per replay) or mooncake://HOST:PORT")
     group.addoption("--replayer-store-capacity", dest="replayer_store_capacity", metavar="SIZE",
-                    help="store pool size, e.g. 64MB")
+                    help="each rank's store segment, e.g. 64MB (as replayer's "
+                         "--store-capacity)")
     parser.addini("replayer_paths", type="paths", default=[],
                   help="prefix-replayer: collect scenario YAML and trace directories under "
                        "these paths (relative to the configuration file); elsewhere only "

@@ -8,11 +8,13 @@ and ``PYTHONHASHSEED``, scheduler budgets, speculative decoding, connector.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 from traces.model import schema
 from traces.model.engine_spec import CONNECTOR_CONFIG_KEYS, EngineBlock
+from traces.model.sizes import parse_size
 
 CONNECTORS = {"MooncakeStoreConnector": "mooncake_store"}
 
@@ -104,7 +106,27 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
             block["connector_config"] = conf
         if getattr(ktc, "kv_load_failure_policy", "fail") != "fail":
             block["kv_load_failure_policy"] = str(ktc.kv_load_failure_policy)
+        segment = store_segment_size()
+        if segment is not None:
+            block["mooncake_global_segment_size"] = segment
     return EngineBlock.from_dict("the recorded engine", block)
+
+
+def store_segment_size() -> int | None:
+    """Each rank's store segment, where the Mooncake config file the server reads
+    (``MOONCAKE_CONFIG_PATH``, a Mooncake format, not vLLM's) sets
+    ``global_segment_size``: the replay's memory store is then as large, so a
+    recording replays the store pressure it ran under. None when the file
+    leaves it to the default or cannot be read (the server reports that itself)."""
+    path = os.environ.get("MOONCAKE_CONFIG_PATH")
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            value = json.load(f).get("global_segment_size")
+        return None if value is None else parse_size(value, "global_segment_size")
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
 
 
 def _draft_group(groups: list[dict[str, Any]], flagged: list[int]) -> int | None:

@@ -24,6 +24,7 @@ from math import ceil
 from typing import Any, Mapping
 
 from traces.model.errors import TraceError, reject_unknown_keys
+from traces.model.sizes import parse_size
 from traces.model.limits import check_engine_bounds, check_int
 
 GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla", "chunked_local")
@@ -151,6 +152,11 @@ class EngineBlock:
         "KVTransferConfig.kv_load_failure_policy: fail (vLLM's default: a request whose "
         "store load fails ends with an error) or recompute (its failed blocks are "
         "computed again); needs connector", str, type(None)))
+    mooncake_global_segment_size: int | None = field(default=None, metadata=_doc(
+        "Mooncake's global_segment_size: the store pool each rank's client mounts, in "
+        "bytes or as 64MB/2GB (the pool is ranks x this); the memory store evicts its "
+        "oldest objects beyond it; omitted: Mooncake's default (4 GiB, no pressure "
+        "in the fixtures); --store-capacity overrides it; needs connector", int, str))
     # What the header or scenario said, normalised: to_header() gives it back.
     given: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False,
                                      hash=False)
@@ -371,7 +377,7 @@ def _build(where: str, raw: Any) -> EngineBlock:
                 "engine.{key} {value!r} is not supported (known: {known})")
     _choice(where, "scheduling_policy", raw.get("scheduling_policy", "fcfs"),
             SCHEDULING_POLICIES, "engine.{key} {value!r}: expected one of {known}")
-    for key in ("connector_config", "kv_load_failure_policy"):
+    for key in ("connector_config", "kv_load_failure_policy", "mooncake_global_segment_size"):
         if key in raw and not raw.get("connector"):
             raise TraceError(where, f"engine.{key} needs engine.connector")
     if raw.get("kv_load_failure_policy") is not None:
@@ -393,6 +399,12 @@ def _build(where: str, raw: Any) -> EngineBlock:
     if raw.get("hash_seed") is not None:
         values["hash_seed"] = str(raw["hash_seed"])
     values["connector_config"] = dict(raw.get("connector_config") or {})
+    if raw.get("mooncake_global_segment_size") is not None:
+        try:
+            values["mooncake_global_segment_size"] = parse_size(
+                raw["mooncake_global_segment_size"], "engine.mooncake_global_segment_size")
+        except ValueError as exc:
+            raise TraceError(where, str(exc)) from None
     attention = [g.block_size for g in groups if g.kind != "mamba"]
     values.setdefault("block_size", min(attention))
     speculative = None if spec is None else _speculative(where, spec, groups)

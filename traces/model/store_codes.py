@@ -23,6 +23,7 @@ CODES = {
 
 _BY_NAME = {name: code for code, name in CODES.items() if code < 0}
 
+NO_AVAILABLE_HANDLE = -200          # the pool is full: vLLM's worker calls it store pressure
 OBJECT_NOT_FOUND = -704
 INVALID_PARAMS = -600
 RPC_FAIL = -900

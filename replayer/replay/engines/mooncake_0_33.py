@@ -57,10 +57,12 @@ Seams, and only these:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from vllm.config import KVTransferConfig
 
+from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.core_driver import CoreEngine, NullExecutor
 from replayer.replay.engines.mooncake_session import StoreSession
 from replayer.replay.schedule import KeySelector
@@ -93,6 +95,26 @@ class StoreAwareExecutor(NullExecutor):
                                 self.adapter.boundaries.get)
 
 
+def with_segment(spec: StoreSpec, engine: EngineBlock) -> StoreSpec:
+    """The store as this trace replays it: ``--store-capacity`` first, else the
+    engine block's ``mooncake_global_segment_size`` (each rank's segment).
+
+    A trace that sizes its store is about store pressure, and only the memory
+    store replays that: it evicts its oldest objects, deterministically. A real
+    master here never evicts (Mooncake evicts on wall-clock leases), so the
+    same trace would fill it instead; refused there, in one line."""
+    segment = engine.mooncake_global_segment_size
+    if segment is None or spec.capacity_bytes is not None:
+        return spec
+    if spec.kind != "memory":
+        raise UnsupportedByEngine(
+            f"engine.mooncake_global_segment_size ({segment} bytes): store pressure is "
+            f"replayed on the memory store (oldest objects evicted first), not on "
+            f"{spec.label()}, whose evictions run on wall-clock leases; give "
+            "--store-capacity to replay on it with a pool that never evicts")
+    return replace(spec, capacity_bytes=segment)
+
+
 class StoreConnectorEngine(CoreEngine):
     """The shared driver, plus the MooncakeStore connector when the trace has one.
 
@@ -104,7 +126,7 @@ class StoreConnectorEngine(CoreEngine):
         # Block hash (hex) -> (token boundary, first request): names store keys.
         self.boundaries: dict[str, tuple[int, str]] = {}
         if engine.connector:
-            self.session = StoreSession(store or StoreSpec("memory"))
+            self.session = StoreSession(with_segment(store or StoreSpec("memory"), engine))
         try:
             super().__init__(config, layer_specs, version, executor_cls=StoreAwareExecutor)
         except BaseException:
@@ -179,6 +201,16 @@ class StoreConnectorEngine(CoreEngine):
                 self.notes.append(f"store_fault {f.op} ({what}) armed before step {f.step} "
                                   f"fired {f.fired} of {f.times} time(s): no matching "
                                   f"{f.op} happened after it ({code_name(f.code)} unused)")
+        if ops.pressure is not None:
+            step, rank, key = ops.pressure
+            self.notes.append(
+                f"store {self.session.label}: the pool was full for {ops.pressure_puts} put(s), "
+                f"the first at step {step} on rank {rank} ({key}): NO_AVAILABLE_HANDLE, "
+                "which vLLM's worker takes as store pressure (it skips that request's "
+                "later puts until one succeeds)" + (
+                    "; this master never evicts (Mooncake evicts on wall-clock leases, "
+                    "which a replay does not repeat)" if self.session.spec.kind == "mooncake"
+                    else ""))
         return {"backend": self.session.spec.kind, "rows": list(ops.rows),
                 "lookups": list(ops.lookups), "faults": faults,
                 "seconds": sum(r.recorder.seconds for r in self.session.ranks)}

@@ -45,7 +45,8 @@ from replayer.replay.store.master import MasterProcess, wait_reachable
 from replayer.replay.store.memory import MemoryStore, ReplicateConfig
 from replayer.replay.store.recording import Fault, RecordingStore, StoreOps
 
-# The real pool (Mooncake's default), touched lazily; --store-capacity sets it.
+# Each rank's segment (Mooncake's default global_segment_size), touched lazily;
+# --store-capacity or engine.mooncake_global_segment_size sets it.
 SEGMENT_BYTES = 4 * 1024 ** 3
 LOCAL_BUFFER_BYTES = 64 * 1024 * 1024
 
@@ -94,6 +95,7 @@ class StoreSession:
         self.ops = StoreOps()
         self._aggregator = None
         self._memory: MemoryStore | None = None     # --store memory: one backend, all ranks
+        self._pool_ranks = 1                        # clients mounting a segment (TP ranks)
         self._env_before: dict[str, str | None] = {}
         if spec.kind == "mooncake":
             if spec.host is None:
@@ -109,8 +111,9 @@ class StoreSession:
         self._segment = spec.capacity_bytes or SEGMENT_BYTES
         config = {"metadata_server": "P2PHANDSHAKE", "master_server_address": address,
                   "protocol": "tcp", "device_name": "", "mode": "embedded",
-                  "global_segment_size": self._segment,
                   "local_buffer_size": LOCAL_BUFFER_BYTES}
+        if spec.capacity_bytes is not None:     # else Mooncake's default, as a server's
+            config["global_segment_size"] = spec.capacity_bytes
         cfg_path = self.tmp / "mooncake.json"
         cfg_path.write_text(json.dumps(config))
         self._set_env({
@@ -157,6 +160,7 @@ class StoreSession:
             torch.cuda.Event = NoopCudaEvent  # type: ignore[assignment,misc]
         par = vllm_config.parallel_config
         tp, dcp = par.tensor_parallel_size, par.decode_context_parallel_size
+        self._pool_ranks = tp
         log = self.tmp / "mooncake-client.log"
         for rank in range(tp):
             try:
@@ -196,7 +200,9 @@ class StoreSession:
         pkg = types.ModuleType("mooncake")
         mod = types.ModuleType("mooncake.store")
         if self._memory is None:
-            self._memory = MemoryStore(self.spec.capacity_bytes)
+            # One store stands for the pool every rank's client mounts a segment of.
+            cap = self.spec.capacity_bytes
+            self._memory = MemoryStore(None if cap is None else cap * self._pool_ranks)
         mod.MooncakeDistributedStore = lambda: self._memory
         mod.ReplicateConfig = ReplicateConfig
         pkg.store = mod

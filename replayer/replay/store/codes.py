@@ -7,7 +7,14 @@ keeps the replay's imports where they were.
 
 from __future__ import annotations
 
-from traces.model.store_codes import CODES, INVALID_PARAMS, OBJECT_NOT_FOUND, RPC_FAIL, code_name  # noqa: F401
+from traces.model.store_codes import (  # noqa: F401
+    CODES,
+    INVALID_PARAMS,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_NOT_FOUND,
+    RPC_FAIL,
+    code_name,
+)
 
 
 class StoreError(RuntimeError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from replayer.replay.schedule import KeySelector
-from replayer.replay.store.codes import OBJECT_NOT_FOUND, code_name
+from replayer.replay.store.codes import NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, code_name
 
 _GROUP = re.compile(r"@group:(\d+)@")
 
@@ -83,6 +83,9 @@ class StoreOps:
     put_crc: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     faults: list[Fault] = field(default_factory=list)
+    # The first put a full pool refused (step, rank, key), and how many it refused.
+    pressure: tuple[int, int, str] | None = None
+    pressure_puts: int = 0
 
 
 class RecordingStore:
@@ -129,6 +132,15 @@ class RecordingStore:
     def _fail(self, what: str) -> None:
         with self._lock:
             self.ops.failures.append(f"store {self.label}: {what} at step {self.step}")
+
+    def _pressure(self, key: str) -> None:
+        """A full pool refused a put: vLLM's worker handles that itself (it skips
+        that request's later puts until one succeeds), so the replay goes on and
+        the first refusal is said once, as a note."""
+        with self._lock:
+            if self.ops.pressure is None:
+                self.ops.pressure = (self.step, self.rank, key)
+            self.ops.pressure_puts += 1
 
     def _evicted(self, key: str, nbytes: int) -> None:
         self._row("evict", key, nbytes, 0)
@@ -190,7 +202,9 @@ class RecordingStore:
         for i, (k, s, c, r) in enumerate(zip(keys, sizes, crcs, res)):
             self._row("put", k, sum(s), int(r))
             if r < 0:
-                if i not in injected:
+                if r == NO_AVAILABLE_HANDLE and i not in injected:
+                    self._pressure(k)
+                elif i not in injected:
                     self._fail(f"put of {k} returned {code_name(int(r))}")
             else:
                 self._put_crc.setdefault(k, c)

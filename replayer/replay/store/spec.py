@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from traces.model import sizes
 
 
 @dataclass(frozen=True)
@@ -11,7 +12,9 @@ class StoreSpec:
     kind: str                   # "memory" | "mooncake"
     host: str | None = None     # an already running master, else one is started
     port: int | None = None
-    capacity_bytes: int | None = None   # memory store only: evict beyond this
+    # Each rank's segment of the pool (Mooncake's global_segment_size), from
+    # --store-capacity; None: the engine block's, else Mooncake's default.
+    capacity_bytes: int | None = None
 
     def label(self) -> str:
         if self.kind == "memory":
@@ -21,25 +24,9 @@ class StoreSpec:
         return f"mooncake://{self.host}:{self.port}"
 
 
-MAX_CAPACITY = 1 << 50
-_UNITS = {"": 1, "b": 1, "kb": 1024, "mb": 1024 ** 2, "gb": 1024 ** 3}
-
-
 def parse_size(text: str) -> int:
-    """``64MB``, ``1.5GB``, ``4096`` -> bytes."""
-    t = text.strip().lower()
-    num = t.rstrip("kmgb")
-    unit = t[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1
-    if unit not in _UNITS or not value > 0 or not math.isfinite(value):   # nan, inf too
-        raise ValueError(f"--store-capacity {text!r}: expected a size such as 64MB or 2GB")
-    size = int(value * _UNITS[unit])
-    if size > MAX_CAPACITY:
-        raise ValueError(f"--store-capacity {text!r}: above the limit of 1 PiB")
-    return size
+    """``64MB``, ``1.5GB``, ``4096`` -> bytes (``--store-capacity``)."""
+    return sizes.parse_size(text, "--store-capacity")
 
 
 def parse_store_spec(text: str, capacity: str | None = None) -> StoreSpec:
