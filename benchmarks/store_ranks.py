@@ -2,14 +2,15 @@
 
 The first 1,000 conversation requests through the MooncakeStore connector
 (the geometry and GPU cache of ``replay_store.py``, the in-memory store) at
-``tensor_parallel_size`` 1 and 2, one real ``MooncakeStoreWorker`` per rank in
-one process (4 needs a model of 4 or more attention heads; vLLM refuses the
-bundled tiny ones, which have 2). Each runs in a fresh process; prints wall, vLLM and store
-seconds, store ops per rank, peak RSS, the wall cost of each rank beyond the
-first, and whether the hits are the same at every size (they should be: the
-ranks split keys, not tokens).
+``tensor_parallel_size`` 1, 2 and 4, one real ``MooncakeStoreWorker`` per rank in
+one process (TP 4 replays the 8-head twin of the tiny model, so its KV heads
+split over the ranks and each rank writes its own attention keys). The pool is
+the same in all (each rank's segment is the pool over the ranks). Each runs in a
+fresh process; prints wall, vLLM and store seconds, store ops, peak RSS, the
+wall cost of each rank beyond the first, and whether the hits are the same at
+every size (they should be: the ranks split keys, not tokens).
 
-    python benchmarks/store_ranks.py [--limit 1000] [--sizes 1,2]
+    python benchmarks/store_ranks.py [--limit 1000] [--sizes 1,2,4]
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _child(tp: str, trace_dir: str) -> dict:
     from replayer.replay.store import StoreSpec
     from traces import read_trace
 
-    result = replay_on(read_trace(trace_dir), store=StoreSpec("memory", capacity_bytes=POOL_BYTES))
+    segment = POOL_BYTES // int(tp)            # each rank's share of one pool
+    result = replay_on(read_trace(trace_dir), store=StoreSpec("memory", capacity_bytes=segment))
     rows = result.store["rows"]
     wall = time.perf_counter() - t0
     ops = sum(1 for r in rows if r["op"] in ("put", "get", "exists", "lookup"))
@@ -54,8 +56,7 @@ def _child(tp: str, trace_dir: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--limit", type=int, default=1000)
-    # TP 4 needs a model with 4 or more attention heads; the bundled tiny ones have 2.
-    ap.add_argument("--sizes", default="1,2", help="tensor_parallel_size values")
+    ap.add_argument("--sizes", default="1,2,4", help="tensor_parallel_size values")
     args, source = public_trace.parse_or_run_child(ap, _child)
     sys.path.insert(0, str(ROOT))
     from traces.io.importers.mooncake import import_mooncake

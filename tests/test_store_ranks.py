@@ -159,6 +159,22 @@ def test_each_rank_writes_its_own_keys_and_the_hits_are_one_ranks(tmp_path):
     assert any("@tp_rank:1@" in k for k in lookups["key"])
 
 
+def test_at_tp4_the_8_head_twin_splits_its_kv_heads_so_each_rank_writes_its_own_keys(tmp_path):
+    tp1, _ = _run(tmp_path, TP1, "tp1")
+    tp4, ops = _run(tmp_path, TP1, "tp4", "--set", "engine.tensor_parallel_size=4")
+    assert _hits(tp4) == _hits(tp1)
+    puts = ops.filter(pl.col("op") == "put")
+    assert set(puts["rank"]) == {0, 1, 2, 3}
+    for rank, key in puts.select("rank", "key").rows():
+        assert key.startswith("tiny-llama-tp8@") and f"@tp_rank:{rank}@" in key
+    # Every group, every rank, the same boundaries: one shard each.
+    for group in (0, 1):
+        of_group = puts.filter(pl.col("group") == group)
+        per_rank = [sorted(of_group.filter(pl.col("rank") == r)["boundary"].to_list())
+                    for r in range(4)]
+        assert per_rank[0] and per_rank == [per_rank[0]] * 4
+
+
 def test_dcp_ranks_each_hold_their_share_of_every_group(tmp_path):
     tp2, _ = _run(tmp_path, TP2, "tp2")
     dcp, ops = _run(tmp_path, DCP2, "dcp2")
@@ -193,7 +209,7 @@ def test_one_ranks_lost_shard_loses_the_hit_whichever_rank(tmp_path):
 
 
 def test_evictions_of_the_shared_store_are_recorded_once_under_rank_0(tmp_path):
-    _, ops = _run(tmp_path, LOST, "small", "--store-capacity", "1MB")
+    _, ops = _run(tmp_path, LOST, "small", "--store-capacity", "512KB")   # x 2 ranks
     evicted = ops.filter(pl.col("op") == "evict")
     assert evicted.height > 0
     assert set(evicted["rank"]) == {0}

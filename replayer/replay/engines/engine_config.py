@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 # draft, and an MTP draft (MiMo's architecture, which vLLM turns into mimo_mtp).
 MODELS = MODELS_DIR
 TARGET_MODEL = MODELS / "tiny-llama"
+# The same model with 8 attention and 8 KV heads, for TP above 2 (vLLM needs the
+# heads to divide over the ranks; tiny-llama has 2, and 1 KV head). Its KV heads
+# split over the ranks, so each rank writes its own attention keys, as a large
+# model's do at TP 8. TP 1 and 2 keep tiny-llama, whose name every key carries.
+WIDE_TARGET_MODEL = MODELS / "tiny-llama-tp8"
 DRAFT_MODEL = MODELS / "tiny-eagle"
 MTP_DRAFT_MODEL = MODELS / "tiny-mtp"
 # A DFlash draft (Qwen3 architecture, vLLM's DFlashDraftModel) reading the
@@ -42,9 +47,11 @@ MTP_DRAFT_MODEL = MODELS / "tiny-mtp"
 DFLASH_DRAFT_MODEL = MODELS / "tiny-dflash"
 
 
-def draft_model(method: str) -> Path:
-    """The draft config vLLM reads for ``method`` (it detects MTP from the config)."""
-    return {"mtp": MTP_DRAFT_MODEL, "dflash": DFLASH_DRAFT_MODEL}.get(method, DRAFT_MODEL)
+def draft_model(method: str, wide: bool = False) -> Path:
+    """The draft config vLLM reads for ``method`` (it detects MTP from the config);
+    ``wide``: its 8-head twin, beside :data:`WIDE_TARGET_MODEL`."""
+    path = {"mtp": MTP_DRAFT_MODEL, "dflash": DFLASH_DRAFT_MODEL}.get(method, DRAFT_MODEL)
+    return path.with_name(path.name + "-tp8") if wide else path
 
 
 def set_mtp_modules(modules: int, hf_config: Any) -> Any:
@@ -125,7 +132,9 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     if spec is not None and spec.method == "mtp":
         # vLLM applies a target's callable hf_overrides to the draft's config too.
         overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
-    model = ModelConfig(model=str(TARGET_MODEL), skip_tokenizer_init=True,
+    wide = engine.tensor_parallel_size > 2
+    target = WIDE_TARGET_MODEL if wide else TARGET_MODEL
+    model = ModelConfig(model=str(target), skip_tokenizer_init=True,
                         max_model_len=engine.max_model_len, dtype="float16", **overrides)
     # TP/DCP as the scheduler sees them (the null executor stands for every rank).
     ranks = {k: getattr(engine, k) for k in ("tensor_parallel_size",
@@ -135,7 +144,7 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     speculative = None
     if spec is not None:
         speculative = SpeculativeConfig(
-            method=spec.method, model=str(draft_model(spec.method)),
+            method=spec.method, model=str(draft_model(spec.method, wide)),
             num_speculative_tokens=spec.num_speculative_tokens,
             target_model_config=model, target_parallel_config=parallel,
             **(speculative_args or {}))
