@@ -6,17 +6,24 @@
   installed --request turn2``;
 * a real loss in a recording: ``fixtures/traces/live_eagle`` (100 requests
   from a real ``vllm serve``), the EAGLE drop of ``cmpl-r0002-0-9038f593``
-  (``--lost-by eagle_drop``), as docs/shrink.md shows it.
+  (``--lost-by eagle_drop``), as docs/shrink.md shows it;
+* a real loss in the first ``--slice`` (1,000) requests of the Mooncake
+  conversation trace in the hybrid #51295 geometry: ``replayer explain``
+  names the request that loses the most tokens to one cause, and shrink keeps
+  that loss (``--lost-by CAUSE --at-least N``); ``--slice 0`` skips it (it
+  needs the whole trace: ``--trace FILE``, as the other benchmarks).
 
 Start a warm server first (``replayer server start --engine installed
 --engine vllm==0.29.0``): cold, every probe pays vLLM's imports.
 
-    .venv/bin/python benchmarks/shrink.py [--noise 24] [--timeout S] [--max-probes N]
+    .venv/bin/python benchmarks/shrink.py [--noise 24] [--slice 1000] [--timeout S]
+                                          [--max-probes N] [--trace FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,6 +34,42 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+_server = os.environ.get("PREFIX_REPLAYER_NO_SERVER")
+import public_trace  # noqa: E402  (it turns the warm server off: the probes want it)
+from replay_conversation import GEOMETRIES  # noqa: E402
+
+if _server is None:
+    os.environ.pop("PREFIX_REPLAYER_NO_SERVER", None)
+
+
+def slice_loss(tmp: Path, source: Path, limit: int) -> tuple[str, list[str], int]:
+    """The slice as a trace directory, and the loss explain finds largest there:
+    (trace, the shrink property's options, requests)."""
+    import polars as pl
+
+    from replayer.analysis.explain import CAUSES
+    from traces.io.importers.mooncake import import_mooncake
+    from traces.model.trace import write_trace
+
+    engine = GEOMETRIES["hybrid-b1536-pmu128-eagle"]
+    trace = write_trace(import_mooncake(source, limit=limit, engine=engine), tmp / "slice")
+    table = tmp / "explain.parquet"
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "replayer", "explain", str(trace), "--top", "0",
+                           "--parquet", str(table), "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"explain on the slice failed:\n{proc.stderr[-3000:]}")
+    rows = pl.read_parquet(table)
+    causes = [c for c in CAUSES if c != "unexplained"]
+    best = max(((int(r[f"lost_{c}"]), r["id"], c) for r in rows.iter_rows(named=True)
+                for c in causes), key=lambda x: (x[0], x[1]))
+    lost, rid, cause = best
+    print(f"slice: {limit} requests, explain {time.monotonic() - t:.1f} s; the largest loss: "
+          f"{rid} loses {lost} token(s) to {cause}", flush=True)
+    return str(trace), ["--request", rid, "--lost-by", cause, "--at-least", str(lost)], limit
 
 
 def main() -> int:
@@ -36,6 +79,9 @@ def main() -> int:
     ap.add_argument("--noise", type=int, default=24)
     ap.add_argument("--timeout", type=float, help="passed to shrink (best so far written)")
     ap.add_argument("--max-probes", type=int, help="passed to shrink")
+    ap.add_argument("--slice", type=int, default=1000,
+                    help="requests of the conversation trace for the real-loss case (0: skip)")
+    public_trace.add_argument(ap)
     args = ap.parse_args()
     limits = ([] if args.timeout is None else ["--timeout", str(args.timeout)]) + (
         [] if args.max_probes is None else ["--max-probes", str(args.max_probes)])
@@ -47,6 +93,9 @@ def main() -> int:
                   ["--diff", "vllm==0.29.0", "installed", "--request", "turn2"]),
                  ("live_eagle eagle_drop", str(REPO / "fixtures/traces/live_eagle"), 100,
                   ["--request", "cmpl-r0002-0-9038f593", "--lost-by", "eagle_drop"])]
+        if args.slice:
+            target, prop, n_in = slice_loss(Path(tmp), public_trace.trace_path(args), args.slice)
+            cases.append((f"conversation slice {prop[3]}", target, n_in, prop))
         for name, target, n_in, prop in cases:
             out = Path(tmp) / "repro.yaml"
             t = time.monotonic()

@@ -1,6 +1,8 @@
 """The stages in order, progress on stderr, limits, and the written scenario.
 
-Requests and events (ddmin), then prompts, then the engine, then ddmin once
+A relevance cut first (:mod:`.relevance`: what reached the engine after the
+focus request's first prefill, or shares no block with it, in one or two
+probes), then requests and events (ddmin), then prompts, then the engine, then ddmin once
 more (a shorter prompt or a smaller cache can make another request
 unnecessary), so the result is 1-minimal in requests and events. A limit or
 Ctrl-C stops the search, never the output: the best case found so far is
@@ -22,6 +24,7 @@ from replayer.analysis.shrink.case import Case
 from replayer.analysis.shrink.engine import shrink_engine
 from replayer.analysis.shrink.prompts import shrink_prompts
 from replayer.analysis.shrink.prop import LimitReached, Prober
+from replayer.analysis.shrink.relevance import relevance_cut
 from replayer.analysis.shrink.search import ddmin
 from replayer.analysis.shrink.writer import roles, scenario_yaml
 from traces import load_target
@@ -113,6 +116,8 @@ def _shrink(target, output, prop, case0, clients, max_probes, timeout, say) -> O
     request = getattr(prop, "request", None)
     protect = {request} if request else set()
     try:
+        stage[0] = "requests that can matter"
+        best[0] = relevance_cut(best[0], first, request or first.focus, prober, keep)
         for round_ in range(3):
             stage[0] = "requests and events"
             before = len(best[0].requests) + len(best[0].events)

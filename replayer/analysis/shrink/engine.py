@@ -2,11 +2,12 @@
 
 ``num_gpu_blocks``, ``max_num_seqs`` and ``max_num_batched_tokens`` are what
 make a reproducer depend on load; each is binary-searched down from the
-value the replay used (a vLLM that refuses to build, or a replay that cannot
-finish, fails the probe). ``max_num_batched_tokens`` stops at the largest
-block: below it a long prompt takes thousands of steps and the bug is rarely
-there. Block size, prefix-match unit, groups and speculative method are the
-geometry of the bug and are never touched.
+value the replay used, no lower than vLLM builds (a vLLM that refuses to
+build, or a replay that cannot finish, fails the probe).
+``max_num_batched_tokens`` stops at the largest block: below it a long
+prompt takes thousands of steps and the bug is rarely there. Block size,
+prefix-match unit, groups and speculative method are the geometry of the bug
+and are never touched.
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ def current(case: Case, key: str) -> int:
 
 
 def floor(case: Case, key: str) -> int:
+    """The smallest value worth a probe. ``num_gpu_blocks``: vLLM refuses a pool
+    that cannot hold one request of ``max_model_len`` in a full-attention group,
+    so fewer blocks than that only spend probes on engines it will not build."""
     if key == "max_num_batched_tokens":
         return max(g.block_size for g in case.engine.kv_groups)
+    if key == "num_gpu_blocks":
+        full = [g.block_size for g in case.engine.kv_groups
+                if g.kind in ("full_attention", "mla")]
+        if full:
+            length = case.to_trace().sized_engine().max_model_len
+            return max(1, -(-length // max(full)))
     return 1
 
 
