@@ -44,7 +44,8 @@ if _server is None:
     os.environ.pop("PREFIX_REPLAYER_NO_SERVER", None)
 
 
-def slice_loss(tmp: Path, source: Path, limit: int) -> tuple[str, list[str], int]:
+def slice_loss(tmp: Path, source: Path, limit: int,
+               cause: str | None) -> tuple[str, list[str], int]:
     """The slice as a trace directory, and the loss explain finds largest there:
     (trace, the shrink property's options, requests)."""
     import polars as pl
@@ -63,7 +64,9 @@ def slice_loss(tmp: Path, source: Path, limit: int) -> tuple[str, list[str], int
     if proc.returncode:
         sys.exit(f"explain on the slice failed:\n{proc.stderr[-3000:]}")
     rows = pl.read_parquet(table)
-    causes = [c for c in CAUSES if c != "unexplained"]
+    # A capacity loss needs the load around it, so by default the largest loss to a
+    # cause of prefix reuse itself (the EAGLE drop, retention, alignment, ...).
+    causes = [cause] if cause else [c for c in CAUSES if c not in ("unexplained", "capacity")]
     best = max(((int(r[f"lost_{c}"]), r["id"], c) for r in rows.iter_rows(named=True)
                 for c in causes), key=lambda x: (x[0], x[1]))
     lost, rid, cause = best
@@ -81,6 +84,9 @@ def main() -> int:
     ap.add_argument("--max-probes", type=int, help="passed to shrink")
     ap.add_argument("--slice", type=int, default=1000,
                     help="requests of the conversation trace for the real-loss case (0: skip)")
+    ap.add_argument("--cause", help="the slice's loss to shrink: the largest to this cause "
+                                    "(default: the largest to any cause but capacity)")
+    ap.add_argument("--slice-only", action="store_true", help="skip the planted cases")
     public_trace.add_argument(ap)
     args = ap.parse_args()
     limits = ([] if args.timeout is None else ["--timeout", str(args.timeout)]) + (
@@ -93,8 +99,11 @@ def main() -> int:
                   ["--diff", "vllm==0.29.0", "installed", "--request", "turn2"]),
                  ("live_eagle eagle_drop", str(REPO / "fixtures/traces/live_eagle"), 100,
                   ["--request", "cmpl-r0002-0-9038f593", "--lost-by", "eagle_drop"])]
+        if args.slice_only:
+            cases = []
         if args.slice:
-            target, prop, n_in = slice_loss(Path(tmp), public_trace.trace_path(args), args.slice)
+            target, prop, n_in = slice_loss(Path(tmp), public_trace.trace_path(args), args.slice,
+                                            args.cause)
             cases.append((f"conversation slice {prop[3]}", target, n_in, prop))
         for name, target, n_in, prop in cases:
             out = Path(tmp) / "repro.yaml"
@@ -108,6 +117,8 @@ def main() -> int:
                 return proc.returncode
             print(proc.stdout.strip())
             kept = [r["id"] for r in yaml.safe_load(out.read_text())["requests"]]
+            if len(kept) > 12:
+                kept = kept[:5] + ["..."] + kept[-2:]
             print(f"{name}: {n_in} requests in, {len(kept)} out ({', '.join(kept)}), "
                   f"wall {wall:.1f} s", flush=True)
     return 0

@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import TRACES, cli
-from traces import TraceError, read_trace, request_stream, write_trace
+from traces import TraceError, read_trace, write_trace
+from traces.io import request_stream
 from traces.model.materialize import TokenSource
 from traces.scenarios.compile import compile_scenario
 
