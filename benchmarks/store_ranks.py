@@ -4,8 +4,8 @@ The first 1,000 conversation requests through the MooncakeStore connector
 (the geometry and GPU cache of ``replay_store.py``, the in-memory store) at
 ``tensor_parallel_size`` 1, 2 and 4, one real ``MooncakeStoreWorker`` per rank in
 one process (TP 4 replays the 8-head twin of the tiny model, so its KV heads
-split over the ranks and each rank writes its own attention keys). The pool is
-the same in all (each rank's segment is the pool over the ranks). Each runs in a
+split over the ranks and each rank writes its own attention keys). Each rank
+mounts the same segment, as Mooncake's clients do. Each runs in a
 fresh process; prints wall, vLLM and store seconds, store ops, peak RSS, the
 wall cost of each rank beyond the first, and whether the hits are the same at
 every size (they should be: the ranks split keys, not tokens).
@@ -39,8 +39,11 @@ def _child(tp: str, trace_dir: str) -> dict:
     from replayer.replay.store import StoreSpec
     from traces import read_trace
 
-    segment = POOL_BYTES // int(tp)            # each rank's share of one pool
-    result = replay_on(read_trace(trace_dir), store=StoreSpec("memory", capacity_bytes=segment))
+    # Each rank mounts the same segment, as Mooncake's clients do: the pool grows
+    # with the ranks, as the keys do (the null model's ranks hold whole pages, so a
+    # rank's shard is as large as one rank's whole KV, not 1/TP of it).
+    result = replay_on(read_trace(trace_dir),
+                       store=StoreSpec("memory", capacity_bytes=POOL_BYTES))
     rows = result.store["rows"]
     wall = time.perf_counter() - t0
     ops = sum(1 for r in rows if r["op"] in ("put", "get", "exists", "lookup"))
