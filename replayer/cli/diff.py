@@ -25,6 +25,10 @@ def add_parser(sub) -> None:
                       help="give it twice: engine A, then engine B (" + ENGINE_HELP + ")")
     diff.add_argument("--json", metavar="OUT",
                       help="write the differences as JSON ('-' for stdout)")
+    diff.add_argument("--worker", action="append", choices=("null", "model"),
+                      help="once for both engines or twice (A, then B): null (default) or "
+                           "model, as for run (null vs model on one engine holds the real "
+                           "worker to the null executor)")
     engine_opts(diff, engine=False)
 
 
@@ -36,7 +40,11 @@ def run(args) -> int:
 
     if len(args.engine) != 2:
         return error(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
-    specs = [parse_spec(e) for e in args.engine]
+    workers = args.worker or ["null"]
+    if len(workers) not in (1, 2):
+        return error(f"diff takes one or two --worker options, got {len(workers)}")
+    workers = workers * (3 - len(workers))
+    specs = [parse_spec(e, w) for e, w in zip(args.engine, workers)]
     check_outputs(args)
     trace = load_target(args.target)
     check_store_applies(args, [trace])

@@ -34,7 +34,7 @@ def run(args) -> int:
     from replayer.replay.execution.clients import engine_runner
     from traces.io.atomic import write_atomic
 
-    spec = parse_spec(args.engine)
+    spec = parse_spec(args.engine, args.worker)
     if args.top < 0:
         return error("--top must be at least 0")
     trace = load_with_sets(args.target, args.set)

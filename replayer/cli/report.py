@@ -35,7 +35,7 @@ def run(args) -> int:
     from replayer.replay.execution.clients import engine_runner
     from traces.io.atomic import write_atomic
 
-    spec = parse_spec(args.engine)
+    spec = parse_spec(args.engine, args.worker)
     sweep = None
     if args.sweep:
         try:

@@ -37,7 +37,7 @@ def run(args) -> int:
     from replayer.replay.execution.clients import engine_runner, runs_in_this_process
     from traces.io.atomic import write_atomic
 
-    spec = parse_spec(args.engine)          # a bad spec is reported before anything runs
+    spec = parse_spec(args.engine, args.worker)          # a bad spec is reported before anything runs
     check_outputs(args)                    # and an output that cannot be written
     here = runs_in_this_process(spec)
     # Replayed in this process: its prompts are read batch by batch.

@@ -345,6 +345,11 @@ def replay(trace: Trace, engine: EngineAdapter,
                 r.prefill_step = clock - 1
                 if p.group_hits is not None:
                     r.group_hits = list(p.group_hits)
+        for rid, values in res.logprobs.items():
+            row = live.get(rid)
+            if row is not None:
+                r = pending[row]
+                r.logprobs = (r.logprobs or []) + values
         for rid in res.finished:
             row = live.pop(rid, None)
             if row is None:         # aborted by an event already

@@ -30,6 +30,9 @@ class RequestOutcome:
     aborted: bool = False
     # What each KV-cache group alone could have served (adapters that can tell).
     group_hits: list[int] | None = None
+    # The model's logprob of each output token (forced to the trace's), where a
+    # real model ran (replayer --worker model); None on the null executor.
+    logprobs: list[float] | None = None
 
     def observed(self) -> dict[str, int | None]:
         """The prefill fields (:data:`OUTCOME_FIELDS`), as goldens name them."""
@@ -45,6 +48,10 @@ class RequestOutcome:
             del out["group_hits"]
         else:
             out["group_hits"] = list(self.group_hits)
+        if self.logprobs is None:
+            del out["logprobs"]
+        else:
+            out["logprobs"] = list(self.logprobs)
         return out
 
 

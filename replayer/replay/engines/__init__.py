@@ -72,10 +72,16 @@ def _in(version: str, prefixes) -> bool:
     return any(version == p or version.startswith(p + ".") for p in prefixes)
 
 
-def check_supported(version: str, engine: EngineBlock, label: str) -> None:
+def check_supported(version: str, engine: EngineBlock, label: str,
+                    worker: str = "null") -> None:
     """Refuse, before vLLM is imported, a trace needing what release ``version``
-    lacks: a connector no store adapter serves, a Mamba cache mode it removed."""
+    lacks (a connector no store adapter serves, a Mamba cache mode it removed),
+    and, for the model worker, a geometry no tiny model here takes."""
     check_connector(version, engine.connector, label)
+    if worker == "model":
+        from replayer.replay.worker.models import check_geometry
+
+        check_geometry(engine, label)
     if engine.has_mamba and engine.mamba_cache_mode == "all" and not _in(
             version, MAMBA_CACHE_MODE_ALL):
         served = ", ".join(f"{p}.x" for p in MAMBA_CACHE_MODE_ALL)
@@ -140,7 +146,7 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
                           "through replayer.replay.execution.clients.engine_runner or the command line")
     info = spec.info
     version = info.vllm
-    check_supported(version, engine, info.label)
+    check_supported(version, engine, info.label, spec.worker)
     try:
         module = importlib.import_module(adapter_module_for(version))
     except EngineError:
@@ -149,8 +155,9 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
         raise EngineError(f"{info.label}: importing vLLM failed: {type(exc).__name__}: "
                           f"{_first_line(exc)}") from exc
     try:
+        extra = {} if spec.worker == "null" else {"worker": spec.worker}
         adapter = module.open_engine(engine, version, store=store, record_dir=record_dir,
-                                     kv_events=kv_events)
+                                     kv_events=kv_events, **extra)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         # vLLM validates geometry with ValueError/AssertionError (pydantic's too):
         # one line naming the engine field (replayer.replay.engines.config_errors).

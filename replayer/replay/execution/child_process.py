@@ -61,11 +61,12 @@ def vllm_cache_root(engine: ResolvedEngine) -> Path | None:
     class only and rejects one written by other sources, so two releases
     sharing ``~/.cache/vllm`` rewrote each other's on every replay, each time
     paying a ~5 s model-inspection subprocess."""
-    if engine.sources is None:
+    own = engine.sources or engine.prefix
+    if own is None:
         return None
     from replayer.replay.engines.releases import cache_dir
 
-    digest = hashlib.sha256(str(Path(engine.sources).resolve()).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(str(Path(own).resolve()).encode()).hexdigest()[:12]
     return cache_dir() / "vllm-cache" / f"{engine.info.vllm}-{digest}"
 
 
@@ -78,6 +79,10 @@ def engine_env(engine: ResolvedEngine, overlay: Path,
     ``base``: the environment to start from (this process's by default)."""
     env = {**(env_defaults or {}), **(os.environ if base is None else base)}
     env["PYTHONHASHSEED"] = INTERPRETER_SEED
+    if engine.worker == "model":
+        from replayer.replay.worker.kernels import interpreter_env
+
+        env.update(interpreter_env())
     paths = [str(overlay), str(REPO_ROOT)]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -110,7 +115,7 @@ class EngineProcess:
         random). ``env_defaults``: the child's environment where this one's is unset."""
         self._env_defaults = dict(env_defaults or {})
         self.engine = engine
-        if engine.sources is None and not installed_too:
+        if engine.sources is None and engine.interpreter is None and not installed_too:
             raise EngineError(f"engine {self.engine.spec!r} is the installed vLLM; "
                               "it replays in this process")
         self.info = self.engine.info
@@ -127,8 +132,9 @@ class EngineProcess:
         env = engine_env(self.engine, self._overlay, self._env_defaults)
         read_fd, write_fd = os.pipe()
         try:
+            python = self.engine.interpreter or sys.executable   # an environment's own
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "replayer.replay.execution.child_main", str(write_fd)],
+                [python, "-m", "replayer.replay.execution.child_main", str(write_fd)],
                 stdin=subprocess.PIPE, stdout=stderr_fd(), env=env,
                 pass_fds=(write_fd,))
         finally:
@@ -140,7 +146,7 @@ class EngineProcess:
     def replay(self, trace: Trace, progress: Callable[[Any], None] | None = None,
                store: Any = None, record_dir: str | None = None, shortcuts: bool = True):
         """Replay ``trace`` in the child; same result and errors as in this process."""
-        check_supported(self.info.vllm, trace.engine, self.info.label)
+        check_supported(self.info.vllm, trace.engine, self.info.label, self.info.worker)
         if self._proc is None or self._proc.stdin is None:
             raise EngineError(f"{self.info.label}: the engine process is closed")
         try:

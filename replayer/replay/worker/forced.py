@@ -1,0 +1,140 @@
+"""The forced-tokens seam: a real runner's sampled tokens held to the trace's.
+
+vLLM's own trace replay (``SamplingParams.trace_decode_token_ids``, #46701)
+lives in the V2 model runner's sampler, which needs Triton; the CPU runner
+here is V1. This seam does what vLLM's does, in the V1 runner's sampler: the
+real logits are computed, the real sampler samples, then each request's
+sampled token is overwritten with the trace's output token at that position,
+and only then are logprobs gathered, so vLLM reports the logprob and rank of
+the forced token under the model's own distribution. Two methods of the
+runner's objects are wrapped on the instance, nothing else:
+
+* ``Sampler.sample``: the sampled token of every request is the trace's (with
+  speculative decoding, the bonus token after the drafts);
+* ``rejection_sample`` (the module function ``RejectionSampler.forward``
+  calls): the target's token at each draft position is the trace's (its
+  greedy choice is made to be that token on a copy of the processed logits;
+  logprobs come from the raw ones), so vLLM's real rejection sampler accepts a
+  draft exactly when it equals the trace's next token.
+
+Which drafts it sees is the draft seam (:meth:`ForcedTokens.drafts`): the
+drafter runs for real, then its proposals are replaced by the trace's next
+tokens, all of them, or with a recording's acceptance held, as many as the
+recording accepted followed by a token that cannot match.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+class ForcedTokens:
+    """The trace's tokens for a V1 model runner's rows, and its drafts.
+
+    ``outputs``: request id -> the trace's output tokens (longer than the
+    request's output, as the null executor has them). ``num_outputs``: request
+    id -> output tokens committed so far (the scheduler's count, read while
+    a step runs, before the step's tokens are added)."""
+
+    def __init__(self, outputs: dict[str, list[int]], num_outputs: Callable[[str], int],
+                 vocab_size: int) -> None:
+        self.outputs = outputs
+        self.num_outputs = num_outputs
+        self.vocab_size = vocab_size
+        self.accepted: dict[tuple[str, int], int] | None = None
+        self.verified: dict[str, int] = {}
+        self._bonus_offsets: list[int] | None = None
+
+    # -- the trace's tokens ------------------------------------------------------
+    def _token(self, rid: str, offset: int, fallback: int) -> int:
+        out = self.outputs.get(rid)
+        i = self.num_outputs(rid) + offset
+        return out[i] if out is not None and i < len(out) else fallback
+
+    def install(self, runner: Any) -> None:
+        """Wrap the runner's sampler (and rejection sampler) on this instance."""
+        sampler = runner.sampler
+        real_sample = sampler.sample
+
+        def sample(logits, sampling_metadata, *args, **kwargs):
+            sampled, processed = real_sample(logits, sampling_metadata, *args, **kwargs)
+            req_ids = runner.input_batch.req_ids
+            offsets = self._bonus_offsets or [0] * len(req_ids)
+            forced = [self._token(rid, off, int(tok)) for rid, off, tok in
+                      zip(req_ids, offsets, sampled.tolist())]
+            sampled.copy_(torch.tensor(forced, dtype=sampled.dtype))
+            return sampled, processed
+
+        sampler.sample = sample
+        if getattr(runner, "rejection_sampler", None) is not None:
+            self._install_rejection(runner)
+
+    def _install_rejection(self, runner: Any) -> None:
+        import vllm.v1.sample.rejection_sampler as rs
+
+        rejection = runner.rejection_sampler
+        real_forward = rejection.forward
+
+        def forward(metadata, draft_probs, logits, sampling_metadata):
+            counts = list(metadata.num_draft_tokens)
+            req_ids = runner.input_batch.req_ids[:len(counts)]
+            for rid, n in zip(req_ids, counts):
+                if n:
+                    self.verified[rid] = self.verified.get(rid, 0) + 1
+            self._bonus_offsets = counts
+            self._targets = [self._token(rid, j, -1) for rid, n in zip(req_ids, counts)
+                             for j in range(n)]
+            try:
+                return real_forward(metadata, draft_probs, logits, sampling_metadata)
+            finally:
+                self._bonus_offsets = None
+                self._targets = None
+
+        rejection.forward = forward
+        if getattr(rs, "_replayer_forced", None) is None:
+            real_rejection_sample = rs.rejection_sample
+
+            def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len,
+                                 cu_num_draft_tokens, draft_probs, target_logits, *args,
+                                 **kwargs):
+                owner = rs._replayer_forced
+                if owner is not None and owner._targets is not None:
+                    target_logits = owner.force_argmax(target_logits, owner._targets)
+                return real_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len,
+                                             cu_num_draft_tokens, draft_probs, target_logits,
+                                             *args, **kwargs)
+
+            rs.rejection_sample = rejection_sample
+        rs._replayer_forced = self
+        self._targets = None
+
+    @staticmethod
+    def force_argmax(target_logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
+        """A copy of the processed target logits whose greedy choice at each draft
+        position is the trace's token (-1: leave the row as it is)."""
+        forced = target_logits.clone()
+        rows = [i for i, t in enumerate(targets) if t >= 0]
+        if rows:
+            idx = torch.tensor(rows)
+            tok = torch.tensor([targets[i] for i in rows])
+            top = forced[idx].max(dim=-1).values
+            forced[idx, tok] = top + 1.0
+        return forced
+
+    # -- the draft seam ----------------------------------------------------------
+    def drafts(self, req_ids: list[str], num_spec: int) -> list[list[int]]:
+        """The drafts each request proposes next: the trace's next ``num_spec``
+        tokens, cut after the recorded acceptance by one that cannot match."""
+        out = []
+        for rid in req_ids:
+            tokens = self.outputs.get(rid, [])
+            n = self.num_outputs(rid)
+            true = list(tokens[n:n + num_spec])
+            if self.accepted is not None and true:
+                keep = self.accepted.get((rid, self.verified.get(rid, 0)), num_spec)
+                if keep < len(true):
+                    true[keep] = (true[keep] + 1) % self.vocab_size
+            out.append(true)
+        return out

@@ -1,0 +1,221 @@
+"""The tiny models a real worker runs: one per trace geometry, written as vLLM reads them.
+
+The null executor reports one hand-made KV-cache layer per group; a real worker
+reports the layers of a real model. So the model must have the trace's
+geometry: one layer of the right kind for each layer the null executor would
+report (:func:`replayer.replay.engines.engine_config.plan_layers`, twins
+included), in the same order, so that vLLM's own grouping
+(``_get_kv_cache_groups_uniform_page_size``) makes the same KV-cache groups
+from it. Which architecture serves which kinds:
+
+* full attention only: Llama (fp32);
+* full attention beside sliding windows: Llama with ``layer_types``
+  (``sliding_attention``), one window;
+* full attention beside Mamba groups: Qwen3-Next (gated DeltaNet linear
+  attention, vLLM's Mamba-style state manager), bf16, the smallest linear
+  head sizes vLLM's CPU kernels take (64);
+* the EAGLE draft: a one-layer Llama EAGLE head of the target's width.
+
+A geometry the CPU worker cannot take is refused in one line naming why
+(:class:`NotOnThisWorker`), before vLLM is imported. After the engine is built
+the groups vLLM made are held to the trace's (:func:`check_groups`), so a
+model that gave other groups never replays.
+
+Only :func:`target_config` imports vLLM (through the null executor's layer
+plan); :func:`check_geometry` can refuse a trace before. Directories are content-addressed under the cache
+(``models/<digest>``), written once and shared by every process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from replayer.replay.engines.base import UnsupportedByEngine
+from traces.model.engine_spec import EngineBlock
+
+# The CPU attention backend's kernel blocks are multiples of 32 tokens
+# (CPUAttentionBackend.get_supported_kernel_block_sizes: MultipleOf(32)).
+CPU_KERNEL_BLOCK = 32
+# Qwen3-Next's gated DeltaNet on vLLM's CPU kernels (bf16 only: "CPU GDN
+# attention requires BF16"): head sizes below 64 are refused ("Unexpected head
+# dim size"); with one key head and two value heads the speculative decode path
+# trips a contiguity check in the CPU kernel, two and two runs.
+GDN_HEADS = {"linear_num_key_heads": 2, "linear_num_value_heads": 2,
+             "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+             "linear_conv_kernel_dim": 4}
+ATTENTION_HEAD_DIM = 64       # of the hybrid model's attention layers
+HYBRID_HIDDEN = 128           # the narrowest width Qwen3-Next's projections take
+# Bytes of one GDN layer's state (conv state + fp32 recurrent state), to size
+# the attention heads so one attention block holds at least one state page,
+# as vLLM requires (it would otherwise raise the block size above the trace's).
+_GDN_STATE_BYTES = (
+    (2 * GDN_HEADS["linear_num_key_heads"] * GDN_HEADS["linear_key_head_dim"]
+     + GDN_HEADS["linear_num_value_heads"] * GDN_HEADS["linear_value_head_dim"])
+    * (GDN_HEADS["linear_conv_kernel_dim"] - 1) * 2
+    + GDN_HEADS["linear_num_value_heads"] * GDN_HEADS["linear_key_head_dim"]
+    * GDN_HEADS["linear_value_head_dim"] * 4)
+
+
+class NotOnThisWorker(UnsupportedByEngine):
+    """The trace's geometry has no tiny model the CPU worker can run."""
+
+
+@dataclass(frozen=True)
+class WorkerModels:
+    """What the engine config points at: the target, its draft, their dtype."""
+
+    target: Path
+    draft: Path | None
+    dtype: str
+    architecture: str
+
+
+def _refuse(label: str, why: str) -> NotOnThisWorker:
+    return NotOnThisWorker(f"{label}: the model worker cannot replay this trace: {why} "
+                           "(--worker null replays it)")
+
+
+def check_geometry(engine: EngineBlock, label: str) -> None:
+    """Refuse, before vLLM is imported, what no tiny model here can take."""
+    kinds = [g.kind for g in engine.kv_groups]
+    if engine.tensor_parallel_size != 1 or engine.decode_context_parallel_size != 1:
+        raise _refuse(label, f"tensor_parallel_size {engine.tensor_parallel_size} / "
+                             f"decode_context_parallel_size "
+                             f"{engine.decode_context_parallel_size}: the model worker runs "
+                             "one rank in this process")
+    other = sorted(set(kinds) - {"full_attention", "mamba", "sliding_window"})
+    if other:
+        raise _refuse(label, f"KV-cache group kind {other[0]} (tiny models here have full "
+                             "attention, sliding windows and Mamba-style state only)")
+    if "full_attention" not in kinds:
+        raise _refuse(label, "no full_attention group (every tiny model here has one)")
+    if "mamba" in kinds and "sliding_window" in kinds:
+        raise _refuse(label, "Mamba and sliding-window groups in one model")
+    windows = {g.sliding_window for g in engine.kv_groups if g.kind == "sliding_window"}
+    if len(windows) > 1:
+        raise _refuse(label, f"sliding windows of {sorted(windows)} tokens (one window a model)")
+    sizes = {g.block_size for g in engine.kv_groups}
+    if len(sizes) > 1:
+        raise _refuse(label, f"KV-cache groups with block sizes {sorted(sizes)} (vLLM gives "
+                             "every group of a real model one block size)")
+    block = sizes.pop()
+    if block % CPU_KERNEL_BLOCK:
+        raise _refuse(label, f"block_size {block}: vLLM's CPU attention kernel takes blocks "
+                             f"of a multiple of {CPU_KERNEL_BLOCK} tokens")
+    spec = engine.speculative
+    if spec is not None and spec.method != "eagle":
+        raise _refuse(label, f"speculative method {spec.method} (only EAGLE has a tiny draft "
+                             "for these targets: MTP and DFlash drafts are layers of the "
+                             "target's own architecture)")
+    if spec is not None and spec.draft_group is not None:
+        raise _refuse(label, "speculative.draft_group (a real draft's layer joins the group "
+                             "of its own spec)")
+
+
+def _target_layers(engine: EngineBlock) -> list[str]:
+    """The target's layer kinds, in the null executor's order (twins included)."""
+    from replayer.replay.engines.engine_config import plan_layers   # imports vLLM
+
+    return [p.kind for p in plan_layers(engine, 2) if not p.draft]
+
+
+def _attention_kv_heads(block: int) -> int:
+    """KV heads of the hybrid attention layers: enough that one block's page
+    holds a Mamba state page (vLLM's hybrid page alignment)."""
+    heads = 1
+    while block * 2 * heads * ATTENTION_HEAD_DIM * 2 < _GDN_STATE_BYTES:
+        heads *= 2
+    return heads
+
+
+def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
+    """The target's ``config.json`` and dtype for a checked geometry."""
+    layers = _target_layers(engine)
+    max_pos = max(engine.max_model_len or 0, 4096)
+    common = {"vocab_size": engine.vocab_size, "max_position_embeddings": max_pos,
+              "rope_theta": 10000.0, "tie_word_embeddings": False,
+              "num_hidden_layers": len(layers)}
+    if "mamba" in layers:
+        kv = _attention_kv_heads(engine.kv_groups[0].block_size)
+        cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+               "hidden_size": HYBRID_HIDDEN, "intermediate_size": 256,
+               "layer_types": ["linear_attention" if k == "mamba" else "full_attention"
+                               for k in layers],
+               "full_attention_interval": 4,
+               "num_attention_heads": 2 * kv, "num_key_value_heads": kv,
+               "head_dim": ATTENTION_HEAD_DIM, **GDN_HEADS,
+               # vLLM's Qwen3-Next needs a sparse layer; four small experts.
+               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+               "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1,
+               "mlp_only_layers": [], "norm_topk_prob": True, "attention_bias": False,
+               "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6,
+               "torch_dtype": "bfloat16", **common}
+        return cfg, "bfloat16"
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-5,
+           "torch_dtype": "float32", **common}
+    if "sliding_window" in layers:
+        cfg["layer_types"] = ["sliding_attention" if k == "sliding_window" else
+                              "full_attention" for k in layers]
+        cfg["sliding_window"] = next(g.sliding_window for g in engine.kv_groups
+                                     if g.kind == "sliding_window")
+    return cfg, "float32"
+
+
+def draft_config(target: dict[str, Any]) -> dict[str, Any]:
+    """A one-layer EAGLE head (Llama) as wide as the target, its attention shaped
+    as the target's so that its layer joins the target's attention group."""
+    return {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": target["hidden_size"], "intermediate_size": 128,
+            "num_attention_heads": target["num_attention_heads"],
+            "num_key_value_heads": target["num_key_value_heads"],
+            "head_dim": target["head_dim"], "num_hidden_layers": 1,
+            "vocab_size": target["vocab_size"],
+            "max_position_embeddings": target["max_position_embeddings"],
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+            "torch_dtype": target["torch_dtype"], "tie_word_embeddings": False}
+
+
+def _write_once(root: Path, config: dict[str, Any]) -> Path:
+    """``config`` in ``root/<digest>/config.json``, written atomically once."""
+    text = json.dumps(config, indent=1, sort_keys=True) + "\n"
+    path = root / hashlib.sha256(text.encode()).hexdigest()[:16]
+    if (path / "config.json").exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    (tmp / "config.json").write_text(text)
+    try:
+        os.rename(tmp, path)
+    except OSError:                          # another process wrote the same one first
+        (tmp / "config.json").unlink()
+        tmp.rmdir()
+    return path
+
+
+def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
+    """The model directories for ``engine`` under ``root`` (refused as check_geometry says)."""
+    check_geometry(engine, label)
+    target, dtype = target_config(engine)
+    draft = None
+    if engine.speculative is not None:
+        draft = _write_once(root, draft_config(target))
+    return WorkerModels(_write_once(root, target), draft, dtype, target["architectures"][0])
+
+
+def check_groups(engine: EngineBlock, made: list[tuple[str, int]], label: str) -> None:
+    """The KV-cache groups vLLM built from the real model, held to the trace's:
+    ``made`` is (kind, block size) per group in vLLM's order."""
+    wanted = [(g.kind, g.block_size) for g in engine.kv_groups]
+    if made != wanted:
+        def show(groups):
+            return ", ".join(f"{k}/{b}" for k, b in groups)
+        raise _refuse(label, f"vLLM made the KV-cache groups [{show(made)}] from the tiny "
+                             f"model, the trace has [{show(wanted)}]")

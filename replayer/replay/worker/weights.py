@@ -1,0 +1,103 @@
+"""The weights seam: seeded random weights at a scale where the context moves the output.
+
+vLLM's dummy loader draws every weight from about +-1e-3: a tiny model then
+answers the same distribution whatever its context (two 1,000-token prompts
+sharing only their last token gave logprobs equal to seven decimals), so a
+wrong KV block or Mamba state could never show. This loader is vLLM's dummy
+loader with one change, the values: each parameter is drawn from a generator
+seeded by its name (the same bytes in every process and run), matrices
+N(0, 1/fan_in) (attention's fused QKV x3 so attention is not flat, the
+LM head x4), embeddings N(0, 1), norms at their identity, biases 0, and the
+gated-DeltaNet's decay parameters where its own initialiser puts them.
+
+It is registered with vLLM's ``register_model_loader`` (its extension point
+for load formats) and chosen by ``LoadConfig(load_format=LOAD_FORMAT)``; the
+draft model is loaded by the same loader. Everything after loading
+(``process_weights_after_loading``, the CPU's weight packing) is vLLM's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+LOAD_FORMAT = "replayer_seeded"
+SEED = "prefix-replayer weights v1"
+QKV_SCALE = 3.0
+LM_HEAD_SCALE = 4.0
+
+
+def _generator(name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{SEED}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _value(name: str, shape: torch.Size, gemma_norm: bool, plain_norm: bool) -> torch.Tensor:
+    """The fp32 value of parameter ``name``: a pure function of its name and shape."""
+    g = _generator(name)
+    leaf = name.rsplit(".", 1)[-1]
+    if gemma_norm:                                # x * (1 + w): identity at 0
+        return torch.zeros(shape)
+    if plain_norm:
+        return torch.ones(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    if leaf == "A_log":                           # decay rates in [1, 16], as HF inits them
+        return torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=g))
+    if leaf == "dt_bias":
+        return torch.ones(shape)
+    if len(shape) < 2:
+        return torch.ones(shape)
+    x = torch.randn(shape, generator=g)
+    if "embed_tokens" in name:
+        return x
+    fan_in = shape[-1]
+    scale = 1.0 / math.sqrt(fan_in)
+    if "qkv_proj" in name:
+        scale *= QKV_SCALE
+    elif "lm_head" in name:
+        scale *= LM_HEAD_SCALE
+    return x * scale
+
+
+def fill(model: torch.nn.Module) -> int:
+    """Overwrite every parameter of ``model`` in place; returns how many."""
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    n = 0
+    for module_name, module in model.named_modules():
+        gemma = isinstance(module, GemmaRMSNorm)
+        norm = not gemma and "norm" in type(module).__name__.lower()
+        for leaf, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            value = _value(name, param.shape, gemma and leaf == "weight",
+                           norm and leaf == "weight")
+            with torch.no_grad():
+                param.data.copy_(value.to(param.dtype))
+            n += 1
+    return n
+
+
+def register() -> str:
+    """Register the loader with vLLM (once per process); returns its load format."""
+    from vllm.model_executor.model_loader import get_model_loader, register_model_loader
+    from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
+
+    try:
+        from vllm.config.load import LoadConfig
+
+        get_model_loader(LoadConfig(load_format=LOAD_FORMAT))
+        return LOAD_FORMAT
+    except Exception:  # noqa: BLE001 - not registered yet
+        pass
+
+    @register_model_loader(LOAD_FORMAT)
+    class SeededWeightsLoader(DummyModelLoader):
+        """vLLM's dummy loader with the replay's seeded values (module docstring)."""
+
+        def load_weights(self, model, model_config) -> None:  # noqa: ANN001
+            fill(model)
+
+    return LOAD_FORMAT
