@@ -71,6 +71,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     metavar="SPEC", default=None,
                     help="engine to check every target on: installed (default), vllm==X.Y.Z, "
                          "or a vLLM source tree; repeat it to check each target once per engine")
+    group.addoption("--replayer-worker", dest="replayer_worker", default="null",
+                    choices=("null", "model"),
+                    help="null (default): the null executor; model: vLLM's own model runner "
+                         "over a tiny model (an engine built for this machine, e.g. "
+                         "--replayer-engine .venv-serve); the goldens are the same")
     group.addoption("--replayer-update-golden", action="store_true",
                     dest="replayer_update_golden",
                     help="rewrite the goldens from this replay; the items still fail, so the "
@@ -96,7 +101,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     specs = config.getoption("replayer_engines") or ["installed"]
     try:                                            # bad options: one line, before collection
-        parsed = {s: parse_spec(s) for s in dict.fromkeys(specs)}
+        worker = config.getoption("replayer_worker")
+        parsed = {s: parse_spec(s, worker) for s in dict.fromkeys(specs)}
         store = _store_spec(config)
     except EngineError as exc:
         raise pytest.UsageError(f"--replayer-engine: {exc}") from None

@@ -158,9 +158,6 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
         # vLLM's own executor, worker and model runner (replayer.replay.worker).
         from replayer.replay.worker.executor import ModelExecutor, model_args
 
-        if engine.connector:
-            raise UnsupportedByEngine(f"vllm {version}: the model worker does not run the "
-                                      "MooncakeStore connector yet (--worker null does)")
         worker_args = model_args(engine, f"vllm {version}")
         executor = ModelExecutor
     config = build_vllm_config(engine, version, executor, kv_events, worker=worker_args)

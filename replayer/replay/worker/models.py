@@ -44,12 +44,11 @@ from traces.model.engine_spec import EngineBlock
 CPU_KERNEL_BLOCK = 32
 # Qwen3-Next's gated DeltaNet on vLLM's CPU kernels (bf16 only: "CPU GDN
 # attention requires BF16"): head sizes below 64 are refused ("Unexpected head
-# dim size"); with one key head and two value heads the speculative decode path
-# trips a contiguity check in the CPU kernel, two and two runs.
-GDN_HEADS = {"linear_num_key_heads": 2, "linear_num_value_heads": 2,
+# dim size"). One head of each: its cost grows with heads x key x value size.
+GDN_HEADS = {"linear_num_key_heads": 1, "linear_num_value_heads": 1,
              "linear_key_head_dim": 64, "linear_value_head_dim": 64,
              "linear_conv_kernel_dim": 4}
-ATTENTION_HEAD_DIM = 64       # of the hybrid model's attention layers
+ATTENTION_HEAD_DIM = 32       # of the hybrid model's attention layers (CPU: 32 and up)
 HYBRID_HIDDEN = 128           # the narrowest width Qwen3-Next's projections take
 # Bytes of one GDN layer's state (conv state + fp32 recurrent state), to size
 # the attention heads so one attention block holds at least one state page,
@@ -81,9 +80,21 @@ def _refuse(label: str, why: str) -> NotOnThisWorker:
                            "(--worker null replays it)")
 
 
+def refusal(engine: EngineBlock) -> str | None:
+    """Why the model worker cannot replay ``engine`` (None: it can)."""
+    try:
+        check_geometry(engine, "engine")
+    except NotOnThisWorker as exc:
+        return str(exc).split("cannot replay this trace: ", 1)[-1].rsplit(" (--worker", 1)[0]
+    return None
+
+
 def check_geometry(engine: EngineBlock, label: str) -> None:
     """Refuse, before vLLM is imported, what no tiny model here can take."""
     kinds = [g.kind for g in engine.kv_groups]
+    if engine.connector:
+        raise _refuse(label, f"engine.connector {engine.connector}: the MooncakeStore "
+                             "connector's worker side is not yet run over the model's tensors")
     if engine.tensor_parallel_size != 1 or engine.decode_context_parallel_size != 1:
         raise _refuse(label, f"tensor_parallel_size {engine.tensor_parallel_size} / "
                              f"decode_context_parallel_size "
@@ -148,7 +159,7 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
                "layer_types": ["linear_attention" if k == "mamba" else "full_attention"
                                for k in layers],
                "full_attention_interval": 4,
-               "num_attention_heads": 2 * kv, "num_key_value_heads": kv,
+               "num_attention_heads": kv, "num_key_value_heads": kv,
                "head_dim": ATTENTION_HEAD_DIM, **GDN_HEADS,
                # vLLM's Qwen3-Next needs a sparse layer; four small experts.
                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,

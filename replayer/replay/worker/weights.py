@@ -80,8 +80,17 @@ def fill(model: torch.nn.Module) -> int:
     return n
 
 
+# Tests only: vLLM's own dummy loader instead, to show it cannot tell contexts apart.
+DUMMY_ENV = "PREFIX_REPLAYER_DUMMY_WEIGHTS"
+
+
 def register() -> str:
-    """Register the loader with vLLM (once per process); returns its load format."""
+    """Register the loader with vLLM (once per process); returns its load format
+    (vLLM's ``dummy`` where the environment says ``PREFIX_REPLAYER_DUMMY_WEIGHTS=1``)."""
+    import os
+
+    if os.environ.get(DUMMY_ENV) == "1":
+        return "dummy"
     from vllm.model_executor.model_loader import get_model_loader, register_model_loader
     from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 

