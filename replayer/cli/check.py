@@ -9,6 +9,7 @@ from typing import Sequence
 from replayer.cli.common import (
     EXIT_MISMATCH,
     EXIT_OK,
+    check_outputs,
     check_store_applies,
     engine_opts,
     load_with_sets,
@@ -29,6 +30,13 @@ def add_parser(sub) -> None:
     check.add_argument("--against", choices=["goldens", "recorded"], default="goldens",
                        help="compare with the goldens (default), or with what a recorded trace "
                             "itself observed: outcomes, steps, store keys")
+    check.add_argument("--recompute", action="store_true",
+                       help="with --worker model: replay every request that had a hit again, "
+                            "cold, and name each hit whose logprobs differ from its recompute "
+                            "by more than the calibrated tolerance (a wrong hit: exit 1)")
+    check.add_argument("--json", metavar="OUT",
+                       help="with --recompute: write each target's per-hit verdicts as JSON "
+                            "('-' for stdout)")
     engine_opts(check)
     set_opt(check)
 
@@ -39,6 +47,15 @@ def run(args) -> int:
     from replayer.replay.execution.clients import engine_runner
 
     spec = parse_spec(args.engine, args.worker)
+    if args.recompute and args.worker != "model":
+        raise TraceError("--recompute", "needs the model worker (--worker model): the null "
+                                        "executor computes no logprobs to compare")
+    if args.json and not args.recompute:
+        raise TraceError("--json", "check writes JSON with --recompute only")
+    if args.recompute and (args.update_golden or args.against == "recorded"):
+        raise TraceError("--recompute", "checks hits against their recompute; it takes neither "
+                                        "--update-golden nor --against recorded")
+    check_outputs(args)
     paths = expand_targets(args.targets)
     # All bad input is reported before any replay.
     traces = [(p, load_with_sets(p, args.set)) for p in paths]
@@ -68,6 +85,7 @@ def run(args) -> int:
         traces = [(p, t) for p, t in traces if all(p is not q for q, _ in unchecked)]
         if not traces:
             return worst
+    reports = {}
     with engine_runner(spec) as run:                # one engine process for every target
         for path, trace in traces:
             try:
@@ -76,6 +94,26 @@ def run(args) -> int:
                 print(f"SKIP {path}: {exc}")
                 continue
             worst = max(worst, check_one(args, path, trace, result))
+            if args.recompute:
+                from replayer.check.recompute import recompute_check, report_lines
+
+                report = recompute_check(trace, result,
+                                         lambda t: replay_target(t, args, run))
+                print("\n".join(report_lines(path, report)), flush=True)
+                reports[str(path)] = report.as_dict()
+                if report.wrong:
+                    worst = max(worst, EXIT_MISMATCH)
+    if args.json:
+        import json
+        import sys
+
+        from traces.io.atomic import write_atomic
+
+        text = json.dumps(reports, indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+        else:
+            write_atomic(args.json, text)
     return worst
 
 

@@ -20,6 +20,20 @@ from replayer.replay.loop import Progress, ReplayResult, refuse_unsupported, rep
 from traces import Trace
 
 Spec = str | EngineSpec | ResolvedEngine
+# Tests only: a Python file run in the engine process before each engine is built
+# (tests/faults/: planted faults, clearly marked patches of vLLM that `check
+# --recompute` must catch). Never set outside the tests.
+PLANT_ENV = "PREFIX_REPLAYER_PLANT"
+
+
+def _run_planted() -> None:
+    import os
+
+    path = os.environ.get(PLANT_ENV)
+    if path:
+        import runpy
+
+        runpy.run_path(path, run_name="replayer_planted_fault")
 
 
 @contextmanager
@@ -45,6 +59,7 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
             os.environ.update(interpreter_env())
     # Importing vLLM (first use) and building its engine allocate millions of
     # objects that all survive: fewer GC passes over them (.gc_tuning).
+    _run_planted()
     with engine_hash_seed(engine.hash_seed), fewer_gc_passes():
         adapter = open_engine(engine, resolved, store=store,
                               record_dir=None if record_dir is None else str(record_dir),
