@@ -39,11 +39,14 @@ INSTALLED="tests/test_replay.py tests/test_anonymize.py tests/test_store_ops.py
            tests/test_store_errors.py tests/test_store_real_master.py"
 RECORDER="tests/test_recorder_roundtrip.py tests/test_recorder_kill.py"
 ENGINES="tests/test_engines_replay.py"
+# vLLM's own model runner (--worker model) in .venv-serve: one engine process
+# per worker, all cores each, so on its own and not on xdist workers.
+MODEL_WORKER="tests/test_model_worker.py tests/test_recompute.py"
 PLUGIN="tests/test_pytest_plugin.py tests/test_testing_api.py"
 README="tests/test_readme.py"
 
 listed=" "
-for f in $UNITS $INSTALLED $RECORDER $ENGINES $PLUGIN $README; do listed+="$f "; done
+for f in $UNITS $INSTALLED $RECORDER $ENGINES $MODEL_WORKER $PLUGIN $README; do listed+="$f "; done
 OTHERS=""
 for f in tests/test_*.py; do
   [[ "$listed" == *" $f "* ]] || OTHERS+="$f "
@@ -51,8 +54,8 @@ done
 
 existing() { for f in "$@"; do [ -e "$f" ] && printf '%s ' "$f"; done; }
 
-PHASES=9
-[ -n "$OTHERS" ] && PHASES=10
+PHASES=10
+[ -n "$OTHERS" ] && PHASES=11
 n=0
 summary=()
 failed=0
@@ -116,6 +119,7 @@ pytest_phase "replays on the installed vLLM 0.33.0 (store tests without a master
 pytest_phase "recorder: round trips and kill -9" $RECORDER
 phase "fetch vLLM 0.29.0-0.33.0 release sources (once per cache, ~1.6 GB of downloads)" fetch_releases
 pytest_phase "replays on vLLM releases and source trees, bisect" $ENGINES
+pytest_phase "model worker: vLLM's own model runner in .venv-serve, held to the null executor; check --recompute and planted faults" $MODEL_WORKER
 pytest_phase "pytest plugin and replayer.pytest.testing (pytest runs in subprocesses, -n 2 included)" $PLUGIN
 golden_fixtures() {  # nothing collected (exit 5) means the plugin is not registered: a failure
   "$PY" -m pytest -q fixtures/ --replayer-engine installed --replayer-engine vllm==0.29.0 \

@@ -94,7 +94,10 @@ def run(args) -> int:
                 print(f"SKIP {path}: {exc}")
                 continue
             worst = max(worst, check_one(args, path, trace, result))
-            if args.recompute:
+            if trace.expect_recompute and not args.recompute and args.worker == "null":
+                print(f"note: {path} expects every hit to match its recompute "
+                      "(expect_recompute): checked with --worker model only")
+            if args.recompute or (trace.expect_recompute and args.worker == "model"):
                 from replayer.check.recompute import recompute_check, report_lines
 
                 report = recompute_check(trace, result,

@@ -220,13 +220,18 @@ class _Target:
             trace, error = None, exc
         pool = self.config.stash[_POOL]
         for spec in pool.item_specs:
-            item = GoldenItem.from_parent(self, name=spec, spec=spec, trace=trace, error=error)
-            if trace is not None:
-                if trace.requests.num_rows >= SLOW_REQUESTS:
-                    item.add_marker("slow")
-                if connector(trace) and pool.store.kind == "mooncake":
-                    item.add_marker("real_master")
-            yield item
+            items = [GoldenItem.from_parent(self, name=spec, spec=spec, trace=trace,
+                                            error=error)]
+            if trace is not None and trace.expect_recompute:
+                items.append(RecomputeItem.from_parent(self, name=f"{spec}:recompute", spec=spec,
+                                                       trace=trace, error=error))
+            for item in items:
+                if trace is not None:
+                    if trace.requests.num_rows >= SLOW_REQUESTS:
+                        item.add_marker("slow")
+                    if connector(trace) and pool.store.kind == "mooncake":
+                        item.add_marker("real_master")
+                yield item
 
 
 class ScenarioFile(_Target, pytest.File):
@@ -296,7 +301,8 @@ class GoldenItem(pytest.Item):
             raise GoldenCheckFailed(_pytest_hint("\n".join([*lines, *notes])))
 
     def _shown_path(self) -> Path:
-        """The target as the CLI would name it when run from pytest's directory."""
+        """The target as the CLI would name it when run from pytest's directory.
+        (RecomputeItem shares it.)"""
         try:
             return self.path.relative_to(self.config.invocation_params.dir)
         except ValueError:
@@ -317,3 +323,26 @@ class GoldenItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
         return self.path, None, f"{self.path.name} on {self.spec}"
+
+
+class RecomputeItem(GoldenItem):
+    """A scenario's ``expect_recompute: true`` on one engine: every hit gives what a
+    cold recompute gives (``replayer check --worker model --recompute``). It needs
+    the model worker; on the null executor it is skipped, saying why."""
+
+    def runtest(self) -> None:
+        from replayer.check.recompute import recompute_check, report_lines
+
+        if self.error is not None:
+            raise self.error
+        pool = self.config.stash[_POOL]
+        spec = pool.specs[self.spec]
+        if spec.worker != "model":
+            pytest.skip("expect_recompute is checked on the model worker: --replayer-worker "
+                        "model, with an engine that runs a model (e.g. --replayer-engine "
+                        ".venv-serve)")
+        result = pool.replay(self.spec, self.trace)
+        report = recompute_check(self.trace, result,
+                                 lambda t: pool.replay(self.spec, t))
+        if report.wrong:
+            raise GoldenCheckFailed("\n".join(report_lines(self._shown_path(), report)))

@@ -48,6 +48,9 @@ class Trace:
     # Collect vLLM's KV-cache events in the replay even with no event goldens
     # (``run --kv-events``); see :attr:`collects_kv_events`.
     kv_events_wanted: bool = False
+    # Every hit must give what a cold recompute gives (``expect_recompute: true``
+    # in a scenario): checked on the model worker (``check --recompute``).
+    expect_recompute: bool = False
     path: Path | None = None
     # Half-written parts of a recorded trace (temporary names a kill left); skipped.
     skipped_parts: list[str] = field(default_factory=list)

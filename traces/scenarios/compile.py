@@ -26,7 +26,7 @@ from traces.model.trace import Trace
 from traces.model.validate import validate_trace
 
 TOP_KEYS = ("engine", "requests", "events", "expect", "expect_store", "expect_events",
-            "description")
+            "expect_recompute", "description")
 REQUEST_KEYS = ("id", "prompt", "output_len", "after", "arrival_step", "cache_salt",
                 "priority")
 SPAN_KEYS = ("stream", "start", "len")
@@ -136,7 +136,11 @@ def compile_scenario(path: str | Path) -> Trace:
     }
     if data.get("description") is not None:
         header["description"] = str(data["description"])
+    expect_recompute = data.get("expect_recompute", False)
+    if not isinstance(expect_recompute, bool):
+        raise TraceError(path, "expect_recompute must be true or false")
     trace = Trace(header=header, requests=requests, events=events, path=path,
+                  expect_recompute=expect_recompute,
                   **_goldens(path, data, engine, set(cols["id"])))
     validate_trace(path, trace)
     return trace

@@ -150,6 +150,11 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
         overrides["enforce_eager"] = True           # no compilation on a CPU replay
         extra["load_config"] = LoadConfig(load_format=register())
         cache_args["kv_cache_memory_bytes"] = worker.kv_cache_memory_bytes
+        if engine.has_mamba:
+            # The recurrent state in float32 (vLLM's --mamba-ssm-cache-dtype): in
+            # bf16 its rounding at each prefill chunk boundary moved the tiny
+            # model's logprobs by ~0.1, drowning what a wrong state does.
+            cache_args["mamba_ssm_cache_dtype"] = "float32"
     model = ModelConfig(model=str(target), skip_tokenizer_init=True,
                         max_model_len=engine.max_model_len, dtype=dtype, **overrides)
     # TP/DCP as the scheduler sees them (the null executor stands for every rank).

@@ -178,7 +178,8 @@ def resolve(spec: str | EngineSpec | ResolvedEngine) -> ResolvedEngine:
         return ResolvedEngine(parsed.text, EngineInfo(parsed.version, "release", worker=worker),
                               str(sources))
     if parsed.kind == "environment":
-        info = EngineInfo(parsed.version, "environment", path=str(parsed.path), worker=worker)
+        # Named as the user named it: outputs stay the same from any checkout.
+        info = EngineInfo(parsed.version, "environment", path=parsed.text, worker=worker)
         return ResolvedEngine(parsed.text, info, interpreter=parsed.interpreter,
                               prefix=parsed.prefix)
     assert parsed.path is not None and parsed.package is not None
