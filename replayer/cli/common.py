@@ -144,6 +144,19 @@ def check_outputs(args) -> None:
         check_output_file(args.kv_events, "--kv-events")
 
 
+def check_worker(trace, spec, where) -> None:
+    """A trace the model worker cannot replay: one line naming the file, before any
+    engine process starts (the refusal needs no vLLM)."""
+    if spec.worker != "model":
+        return
+    from replayer.replay.worker.models import NotOnThisWorker, check_geometry
+
+    try:
+        check_geometry(trace.sized_engine(), "--worker model")
+    except NotOnThisWorker as exc:
+        raise TraceError(where, str(exc)) from None
+
+
 def check_store_applies(args, traces) -> None:
     """``--store``/``--store-capacity`` only mean something for a trace with a connector."""
     if args.store == "memory" and args.store_capacity is None:

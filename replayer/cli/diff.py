@@ -11,6 +11,7 @@ from replayer.cli.common import (
     EXIT_OK,
     check_outputs,
     check_store_applies,
+    check_worker,
     engine_opts,
     error,
     replay_target,
@@ -47,6 +48,8 @@ def run(args) -> int:
     specs = [parse_spec(e, w) for e, w in zip(args.engine, workers)]
     check_outputs(args)
     trace = load_target(args.target)
+    for spec in specs:
+        check_worker(trace, spec, args.target)
     check_store_applies(args, [trace])
     results = []
     for spec in specs:

@@ -6,6 +6,7 @@ import sys
 
 from replayer.cli.common import (
     EXIT_OK,
+    check_worker,
     engine_opts,
     error,
     explain_target,
@@ -38,6 +39,7 @@ def run(args) -> int:
     if args.top < 0:
         return error("--top must be at least 0")
     trace = load_with_sets(args.target, args.set)
+    check_worker(trace, spec, args.target)
     note_skipped(trace)
     store_spec(args)                        # a bad --store is reported before any replay
     with engine_runner(spec) as run:         # one engine process for every counterfactual

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from replayer.cli.common import (
     EXIT_OK,
+    check_worker,
     engine_opts,
     explain_target,
     load_with_sets,
@@ -48,6 +49,7 @@ def run(args) -> int:
                 or not isinstance(sweep.get("rows"), list):
             raise TraceError(args.sweep, "not the --json of replayer sweep (grid, rows)")
     trace = load_with_sets(args.target, args.set)
+    check_worker(trace, spec, args.target)
     note_skipped(trace)
     store_spec(args)
     with engine_runner(spec) as run:

