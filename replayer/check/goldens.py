@@ -87,8 +87,10 @@ def engine_key_of(spec: Any) -> str:
     spec (:func:`replayer.replay.engines.specs.parse_spec`): known before it runs or is fetched."""
     from replayer.replay.engines import installed_vllm_version
 
+    from traces.goldens.kind import engine_key
+
     version = installed_vllm_version() if spec.version is None else spec.version
-    return f"vllm=={version}"
+    return engine_key(version)
 
 
 def has_goldens(trace: Trace, key: str) -> bool:
@@ -107,7 +109,7 @@ def said_before_replay(spec: Any, trace: Trace) -> bool:
     if version is None:
         return not trace.engine.connector
     try:
-        check_supported(version, trace.engine, spec.text)
+        check_supported(version, trace.engine, spec.text, spec.worker)
     except UnsupportedByEngine:
         return False
     return True

