@@ -172,6 +172,14 @@ def test_a_replay_past_its_limits_is_killed_and_reported_and_the_server_goes_on(
         assert big.returncode == 2
         assert "the warm replay was killed: past its memory limit of 50 MB" in big.stderr
         assert "1 replay(s) (1 failed)" in s.status()
+        # A server with a warm engine stops within 2 s, interpreter start included
+        # (it took 13 s: the engine parent never saw its control socket close).
+        started = time.monotonic()
+        stop = s.cli("server", "stop")
+        took = time.monotonic() - started
+        assert stop.returncode == 0 and stop.stdout.startswith("server stopped"), stop
+        assert took < 2.0, f"server stop took {took:.1f} s"
+        assert "no server running" in s.status()
     finally:
         s.stop()
 

@@ -370,7 +370,13 @@ def main(ctrl_fd: int) -> int:
         ctrl.send(encode(("failed", f"{type(exc).__name__}: {exc}")))
         return 1
     ctrl.send(encode(("ready", info)))
-    return Parent(ctrl, engine, limits).run()
+    code = Parent(ctrl, engine, limits).run()
+    # Its children are done and it holds nothing to save: leave without the
+    # interpreter's teardown, which over vLLM's imports (torch's, jemalloc's
+    # threads, thousands of modules) took seconds of every `server stop`.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
