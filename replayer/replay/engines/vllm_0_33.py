@@ -88,13 +88,10 @@ class Vllm033Engine(StoreConnectorEngine):
     """The shared driver and store connector, plus the recorder and per-group hits of 0.33."""
 
     def __init__(self, engine: EngineBlock, version: str, store=None,
-                 record_dir: str | None = None, kv_events: bool = False) -> None:
+                 recorder: Any = None, kv_events: bool = False) -> None:
         config = build_vllm_config(engine, kv_events)
-        if record_dir is not None:
-            # Record this run through vLLM's own hooks (replayer.recorder).
-            from replayer.recorder.install import install_recorder
-
-            install_recorder(config, record_dir)
+        if recorder is not None:            # the caller's hooks (see replay.engines.open_engine)
+            recorder(config, version, bool(engine.connector))
         super().__init__(config, layer_specs(engine), version, engine, store)
         if self.core.request_block_hasher is not None:
             # Hashes of repeated trace-block chains, bounded by 4x the KV cache's tokens.
@@ -129,6 +126,6 @@ class Vllm033Engine(StoreConnectorEngine):
 
 
 def open_engine(engine: EngineBlock, version: str, store=None,
-                record_dir: str | None = None, kv_events: bool = False) -> Vllm033Engine:
-    return Vllm033Engine(engine, version, store=store, record_dir=record_dir,
+                recorder: Any = None, kv_events: bool = False) -> Vllm033Engine:
+    return Vllm033Engine(engine, version, store=store, recorder=recorder,
                          kv_events=kv_events)

@@ -138,14 +138,14 @@ class EngineProcess:
         send(self._proc.stdin, self.engine)
 
     def replay(self, trace: Trace, progress: Callable[[Any], None] | None = None,
-               store: Any = None, record_dir: str | None = None, shortcuts: bool = True):
+               store: Any = None, recorder: Any = None, shortcuts: bool = True):
         """Replay ``trace`` in the child; same result and errors as in this process."""
         check_supported(self.info.vllm, trace.engine, self.info.label)
         if self._proc is None or self._proc.stdin is None:
             raise EngineError(f"{self.info.label}: the engine process is closed")
         try:
-            send(self._proc.stdin, Job(trace, store, None if record_dir is None
-                                       else str(record_dir), shortcuts, progress is not None))
+            send(self._proc.stdin, Job(trace, store, recorder, shortcuts,
+                                       progress is not None))
         except BrokenPipeError:
             pass                                    # reported below, with the exit code
         try:

@@ -34,7 +34,7 @@ Spec = str | EngineSpec | ResolvedEngine
 
 class EngineClient(Protocol):
     """Replays traces on one engine: ``client(trace, progress=, store=,
-    record_dir=, shortcuts=)``; :meth:`replay_many` runs several at once where
+    recorder=, shortcuts=)``; :meth:`replay_many` runs several at once where
     the implementation can."""
 
     info: EngineInfo
@@ -42,7 +42,7 @@ class EngineClient(Protocol):
     parallel: bool          # replay_many runs its traces side by side
 
     def __call__(self, trace: Trace, progress: Callable[[Any], None] | None = None,
-                 store: Any = None, record_dir: str | None = None,
+                 store: Any = None, recorder: Any = None,
                  shortcuts: bool = True, **kw: Any) -> ReplayResult: ...
 
     def replay_many(self, traces: Sequence[Trace], store: Any = None) -> list[ReplayResult]: ...
@@ -61,12 +61,12 @@ class InProcessClient:
         self.info = engine.info
 
     def __call__(self, trace: Trace, progress: Callable[[Any], None] | None = None,
-                 store: Any = None, record_dir: str | None = None, shortcuts: bool = True,
+                 store: Any = None, recorder: Any = None, shortcuts: bool = True,
                  sink: Callable[[Any], None] | None = None) -> ReplayResult:
         from replayer.replay.execution.in_process import replay_here
 
         return replay_here(trace, self.engine, progress=progress, store=store,
-                           record_dir=record_dir, shortcuts=shortcuts, sink=sink)
+                           recorder=recorder, shortcuts=shortcuts, sink=sink)
 
     def replay_many(self, traces: Sequence[Trace], store: Any = None) -> list[ReplayResult]:
         return [self(t, store=store) for t in traces]

@@ -325,7 +325,7 @@ def _child_main(engine: Any, request: dict[str, Any], conn_fd: int, err_fd: int,
         if job is not None:
             with _no_collections_at_teardown():
                 answer_frames(lambda j, progress: replay_here(
-                    j.trace, engine, store=j.store, record_dir=j.record_dir,
+                    j.trace, engine, store=j.store, recorder=j.recorder,
                     shortcuts=j.shortcuts, progress=progress), job, stream)
         stream.flush()
     except BaseException:  # noqa: BLE001 - the client is gone, or a bug: exit all the same
