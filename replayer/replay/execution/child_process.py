@@ -149,7 +149,9 @@ class EngineProcess:
         except BrokenPipeError:
             pass                                    # reported below, with the exit code
         try:
-            return read_answer(self._answers, progress, self.info.label)
+            from replayer.replay.execution.clients import note_cold_start
+
+            return note_cold_start(read_answer(self._answers, progress, self.info.label))
         except AnswerLost:
             code = self._proc.wait()
             raise EngineError(f"{self.info.label}: the engine process exited with code "

@@ -64,6 +64,9 @@ def start(engines: list[str], idle_timeout: float, replay_timeout: float | None,
         deadline = time.monotonic() + READY_S
         while pong is None:
             if proc.poll() is not None:
+                pong = _ping()                      # another start won the race to the lock
+                if pong is not None and pong["pid"] != proc.pid:
+                    break
                 return [f"replayer: error: the server exited with code {proc.returncode} "
                         f"while starting (see {paths.server_log()})"], 2
             if time.monotonic() > deadline:
@@ -72,7 +75,8 @@ def start(engines: list[str], idle_timeout: float, replay_timeout: float | None,
                         f"(see {paths.server_log()})"], 2
             time.sleep(0.1)
             pong = _ping()
-        lines.append(f"server started: pid {pong['pid']}, listening on {paths.server_socket()}")
+        started = "server started" if pong["pid"] == proc.pid else "server already running"
+        lines.append(f"{started}: pid {pong['pid']}, listening on {paths.server_socket()}")
     else:
         lines.append(f"server already running: pid {pong['pid']}, listening on "
                      f"{paths.server_socket()}")
