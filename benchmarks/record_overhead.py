@@ -61,6 +61,7 @@ def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
 
     from replayer.recorder import scheduler as rec_sched
     from replayer.recorder import session as rec_session
+    from replayer.recorder.install import recording_into
 
     hook_s = {"step": 0.0, "add": 0.0}      # recorder time on the engine thread
     for name in ("added", "scheduled", "updated", "finished", "aborted", "reset"):
@@ -86,7 +87,7 @@ def _child(mode: str, trace_dir: str, out_dir: str | None) -> dict:
     store = StoreSpec("memory") if trace.engine.connector else None
     opened = ExitStack()
     adapter = opened.enter_context(engine_here(
-        trace, store=store, record_dir=out_dir if mode == "record" else None))
+        trace, store=store, recorder=recording_into(out_dir) if mode == "record" else None))
     step = adapter.step
     spent = [0.0, 0.0]
 

@@ -1,18 +1,24 @@
 """Engine start-up paid once: cached releases and commits hold their bytecode.
 
 A release cached before sources were compiled is compiled on its next use,
-once; a bisect's commit is exported into the cache once, compiled, and reused
-by every later bisect. No vLLM is imported: the trees are tiny fakes.
+once; a release is fetched with whatever pip the environment has; a bisect's
+commit is exported into the cache once, compiled, and reused by every later
+bisect. No vLLM is imported: the trees and wheels are tiny fakes.
 """
 
 from __future__ import annotations
 
 import marshal
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers_engines import git, init_repo
 from replayer.compare.bisection import CommitLine
+from replayer.replay.engines import EngineError
 from replayer.replay.engines.releases import release_sources
 
 MARKER = f".compiled-{sys.implementation.cache_tag}"
@@ -115,3 +121,69 @@ def test_bisect_exports_a_commit_into_the_cache_once(tmp_path, monkeypatch, caps
     assert sorted(p.name for p in (cache / "commits").iterdir()) == sorted(
         [good, bad, f".{good}.lock", f".{bad}.lock"])   # nothing half-written left over
     again.close()
+
+
+def fake_wheel(where: Path, version: str) -> Path:
+    """A wheel laid out like vLLM's (its package, its dist-info), a few hundred bytes."""
+    import zipfile
+
+    where.mkdir(parents=True, exist_ok=True)
+    wheel = where / f"vllm-{version}-py3-none-any.whl"
+    info = f"vllm-{version}.dist-info"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("vllm/__init__.py", "")
+        zf.writestr("vllm/_version.py", f'__version__ = "{version}"\n')
+        zf.writestr("vllm/v1/__init__.py", "")
+        zf.writestr(f"{info}/METADATA",
+                    f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                                     "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def bundled_pip_python(tmp_path_factory) -> str:
+    """The python of a venv made as a new user makes one (``python -m venv``, pip
+    not upgraded): the pip its Python bundles, 23.2.1 on Python 3.11."""
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True,
+                   capture_output=True)
+    return str(venv / "bin" / "python")
+
+
+@pytest.mark.parametrize("which", ["bundled pip", "this environment's pip"])
+def test_a_release_is_fetched_with_whatever_pip_the_environment_has(
+        which, bundled_pip_python, tmp_path, monkeypatch, capsys):
+    """pip < 24.1 has no ``--progress-bar raw``: a venv with the pip ``python3 -m venv``
+    brings failed every release fetch (issue 30). The wheel comes from a local
+    folder (no index), so the test downloads nothing."""
+    python = bundled_pip_python if which == "bundled pip" else sys.executable
+    said = subprocess.run([python, "-m", "pip", "--version"], capture_output=True,
+                          text=True, check=True).stdout
+    pip = tuple(int(x) for x in said.split()[1].split(".")[:2])
+    assert (pip < (24, 1)) == (which == "bundled pip"), said    # no --progress-bar raw
+    cache = tmp_path / "cache"
+    fake_wheel(tmp_path / "wheels", "0.33.0")
+    monkeypatch.setenv("PREFIX_REPLAYER_CACHE", str(cache))
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)       # no machine-wide index or links
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "wheels"))
+    monkeypatch.setattr(sys, "executable", python)          # the pip a fetch runs
+
+    pkg = release_sources("0.33.0")
+    assert pkg == cache / "releases" / "vllm-0.33.0" / "vllm"
+    assert (pkg / "_version.py").read_text() == '__version__ = "0.33.0"\n'
+    assert (pkg.parent / MARKER).is_file()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("replayer: fetching vllm==0.33.0: downloading the wheel once "
+                             "with pip"), err
+    assert err[-1].startswith("replayer: fetching vllm==0.33.0: done in "), err
+    assert not any("error" in line.lower() for line in err), err
+
+    # A release that does not exist: pip's own reason, in one line.
+    with pytest.raises(EngineError, match=r"^engine vllm==0\.32\.9: could not fetch the wheel "
+                                          r"with pip download: .*vllm==0\.32\.9"):
+        release_sources("0.32.9")
+    assert sorted(p.name for p in (cache / "releases").iterdir() if not p.name.endswith(
+        ".lock")) == ["vllm-0.33.0"]                           # nothing half-written

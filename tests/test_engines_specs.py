@@ -8,6 +8,7 @@ does not exist yet.
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 
@@ -59,7 +60,8 @@ def test_release_outside_every_range_names_the_ranges():
 
 def test_unknown_word_is_neither_spec_nor_path():
     assert_bad_input(cli_here("run", FIXTURE, "--engine", "nightly"), "engine 'nightly'",
-                     "not 'installed', vllm==X.Y.Z or the path of a vLLM source tree")
+                     "not 'installed', vllm==X.Y.Z, the path of a vLLM source tree or of a Python "
+                     "environment")
 
 
 def test_directory_that_is_not_a_vllm_tree(tmp_path):
@@ -245,6 +247,25 @@ def test_connector_trace_without_goldens_for_a_release_is_not_replayed(tmp_path)
     assert proc.stdout == (f"FAIL {scenario}: no goldens for engine vllm==0.31.0 (record them "
                            "with --update-golden); not replayed\n")
     assert not cache.exists()
+
+
+
+def test_a_release_that_does_not_exist_is_an_error_not_missing_goldens(tmp_path):
+    """``check --engine vllm==0.32.9`` said "no goldens" (exit 1); following that
+    advice showed pip's error. A release not known to exist is fetched before its
+    goldens are looked for. (No index: pip answers from an empty folder, at once.)"""
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text("requests:\n  - {id: a, prompt: [{stream: s, len: 40}]}\n"
+                        "expect:\n  \"vllm==0.33.0\": {a: {num_cached_tokens: 0}}\n")
+    (tmp_path / "wheels").mkdir()
+    env = {"PREFIX_REPLAYER_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
+           "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": str(tmp_path / "wheels")}
+    proc = cli_here("check", scenario, "--engine", "vllm==0.32.9", env=env)
+    assert (proc.returncode, proc.stdout) == (2, ""), proc
+    assert proc.stderr.splitlines()[-1] == (
+        "replayer: error: engine vllm==0.32.9: could not fetch the wheel with pip download: "
+        "ERROR: No matching distribution found for vllm==0.32.9"), proc.stderr
+    assert not list((tmp_path / "cache" / "releases").glob("vllm-*"))   # nothing half-written
 
 
 # --- bisect: the line and the search ----------------------------------------------------

@@ -79,6 +79,31 @@ def test_causes_named_by_their_counterfactual():
     assert ex.evidence["sparse_retention"].startswith("replay with dense")
 
 
+def test_a_mamba_state_never_written_is_said_in_terms_a_reader_can_check():
+    """live_qwen3_next: the baseline and the dense-checkpoint replay both hit 24.9%,
+    yet 256 tokens go to sparse_retention (issue 30). They are request r0001's
+    share of r0000's first block, where no Mamba state was ever written (r0000
+    prefilled 1024 tokens in one chunk; the junction is found by r0001's own
+    lookup, and r0002 on hit it). The output splits the two parts and says so."""
+    from replayer.analysis.explain_tables import render
+
+    ex = explain(load_target(FIXTURES / "traces" / "live_qwen3_next"))
+    first = "cmpl-r0001-0-8d3a95de"
+    assert _lost(ex, first) == {"sparse_retention": 256}
+    assert ex.summary()["lost"]["sparse_retention"] == 256
+    assert ex.replays[0]["summary"]["hit_rate"] == ex.replays[-1]["summary"]["hit_rate"]
+    assert ex.mamba_short == {first: (0, 256)}
+    said = ex.evidence["sparse_retention"]
+    assert said.startswith("replay with dense Mamba/SWA checkpoints minus the previous (0), "
+                           "plus where vLLM's per-group lookup"), said
+    assert "shows a Mamba group had no state (256); " in said
+    assert "dense retention keeps every state written, it writes none" in said
+    text = render(ex, top=1)
+    assert ("    256 of its sparse_retention: on the last replay (prefix_cache_retention_"
+            "interval: null (dense checkpoints)) the Mamba groups had state up to 0 of the 256 "
+            "it shares: none was written at 256") in text, text
+
+
 def test_capacity_is_what_an_unbounded_cache_gets_back(tmp_path):
     scen = tmp_path / "tiny_cache.yaml"
     scen.write_text("""\

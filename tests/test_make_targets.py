@@ -41,3 +41,21 @@ def test_make_test_installs_everything_the_suite_uses(tmp_path):
     assert f"{tmp_path}/venv/bin/pip install --quiet -e '.[replay,test,mooncake,ray]'" in lines
     assert any(line.endswith(f"scripts/install-serve-venv.sh {tmp_path}/serve") for line in lines)
     assert lines[-1].endswith("scripts/run-tests.sh")
+
+
+def test_make_demo_cpu_builds_the_cpu_torch_venv_and_checks_the_fixture(tmp_path):
+    """The slim route (docs/benchmarks.md: ~3 GB, not ~10): its own venv, built by the
+    script that puts a CPU torch in first and leaves the CUDA-only packages out."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "demo-cpu",
+                           f"CPU_VENV={tmp_path}/cpu"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines == [f"PYTHON=python3 scripts/install-cpu-venv.sh {tmp_path}/cpu",
+                     f"{tmp_path}/cpu/bin/replayer check "
+                     "fixtures/scenarios/vllm51295_turn1_24577.yaml"], lines
+    script = (REPO / "scripts" / "install-cpu-venv.sh").read_text()
+    assert '"$PIP" install --quiet -e .\n' in script          # not [replay]: no CUDA torch
+    assert 'endswith("+cpu")' in script

@@ -101,3 +101,42 @@ def test_json_dash_makes_stdout_the_json_alone(tmp_path):
     data = json.loads(proc.stdout)                      # nothing else on stdout
     assert [r["id"] for r in data["requests"]] == ["a", "b", "c"]
     assert proc.stderr.startswith("request  prompt"), proc.stderr
+
+
+@pytest.mark.parametrize("target", [
+    "fixtures/traces/live_eagle",                            # full attention + EAGLE draft layer
+    "fixtures/scenarios/vllm51295_turn1_24577.yaml",         # full attention + Mamba, block 1536
+    "fixtures/traces/live_qwen3_next",                       # three Mamba groups + full attention
+    "fixtures/scenarios/sliding_window.yaml",
+    "fixtures/scenarios/dcp_hybrid_eagle.yaml",
+])
+def test_the_smallest_pool_vllm_builds_is_its_own_and_its_refusal_is_said_whole(target):
+    """``min_gpu_blocks`` (shrink's floor for num_gpu_blocks) is exactly vLLM's: the
+    engine builds with that many blocks and vLLM refuses one fewer. The floor
+    shrink used (one max_model_len request in a full-attention block) was below it
+    (128 for live_eagle, where vLLM needs 129), and vLLM's refusal was cut at 300
+    characters, mid-sentence."""
+    from dataclasses import replace
+
+    from replayer.replay.engines import EngineError
+    from replayer.replay.execution.in_process import engine_here
+    from traces import load_target
+
+    trace = load_target(REPO / target)
+
+    def sized(blocks: int):
+        return replace(trace, header={**trace.header,
+                                      "engine": trace.engine.with_settings(num_gpu_blocks=blocks)})
+
+    with engine_here(trace) as adapter:
+        floor = adapter.min_gpu_blocks()
+    assert floor is not None and floor > 1
+    with engine_here(sized(floor)) as adapter:
+        assert adapter.min_gpu_blocks() == floor
+    with pytest.raises(EngineError) as refused:
+        with engine_here(sized(floor - 1)):
+            pass
+    said = str(refused.value)
+    assert said.startswith("vLLM 0.33.0 cannot build this engine: To serve at least one "
+                           "request with the model's max seq len"), said
+    assert said.endswith(" for more details."), said                   # whole, not cut

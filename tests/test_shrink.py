@@ -182,6 +182,10 @@ def test_planted_51295_pair_shrinks_to_two_requests(server, tmp_path):
                       "--request", "turn2", timeout=1500)
     assert proc.returncode == 0, proc.stderr
     assert "probe(s)" in proc.stderr
+    # No probe asked vLLM for a pool smaller than it builds (the floor was the
+    # blocks of one max_model_len request in the full-attention group alone: no
+    # null block, no Mamba group).
+    assert "cannot build this engine" not in proc.stderr, proc.stderr
     data = yaml.safe_load(out.read_text())
     assert [r["id"] for r in data["requests"]] == ["turn1", "turn2"]
     assert all(isinstance(s, dict) and "stream" in s

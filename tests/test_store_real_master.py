@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,6 +177,57 @@ def test_store_that_cannot_start_is_a_one_line_error():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "could not start the Mooncake client" in lines[0]
+
+
+# Run as root in a mount namespace of its own: the folder holding libibverbs.so.1
+# is covered by one holding links to everything else in it, so the library is
+# missing for this process and its children only (the machine keeps it).
+HIDE_AND_START = """
+import os, subprocess, sys, tempfile
+lib = "libibverbs.so.1"
+held = os.path.dirname(os.path.realpath(subprocess.run(
+    ["sh", "-c", "ldconfig -p | sed -n 's/.*libibverbs.so.1 .*=> //p' | head -1"],
+    capture_output=True, text=True, check=True).stdout.strip()))
+orig, links = tempfile.mkdtemp(), tempfile.mkdtemp()
+subprocess.run(["mount", "--bind", held, orig], check=True)
+subprocess.run(["mount", "-t", "tmpfs", "none", links], check=True)
+for name in os.listdir(orig):
+    if not name.startswith("libibverbs.so"):
+        os.symlink(os.path.join(orig, name), os.path.join(links, name))
+subprocess.run(["mount", "--bind", links, held], check=True)
+assert not os.path.exists(os.path.join(held, lib))
+from replayer.replay.store import StoreError
+from replayer.replay.store.master import MasterProcess
+try:
+    MasterProcess()
+except StoreError as exc:
+    print(exc)
+"""
+
+
+def test_a_master_missing_a_shared_library_says_which_and_keeps_its_log():
+    """Where libibverbs.so.1 is not installed the master cannot start (exit 127):
+    the error names the library and the Debian package, and the log it points to
+    is there afterwards (it was deleted). Needs root (a mount namespace), as CI has."""
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run(["unshare", "-m", sys.executable, "-c", HIDE_AND_START],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout.strip()
+    m = re.fullmatch(r"mooncake_master exited with 127 at start: the shared library "
+                     r"libibverbs\.so\.1 is not installed \(Debian/Ubuntu package libibverbs1: "
+                     r"apt-get install libibverbs1\) \(log: (/\S+\.log)\)", said)
+    assert m, said
+    log = Path(m.group(1))
+    try:
+        assert "libibverbs.so.1: cannot open shared object file" in log.read_text()
+    finally:
+        log.unlink(missing_ok=True)
 
 
 def test_json_is_identical_across_backends_but_for_the_backend(tmp_path):

@@ -172,6 +172,14 @@ def test_a_replay_past_its_limits_is_killed_and_reported_and_the_server_goes_on(
         assert big.returncode == 2
         assert "the warm replay was killed: past its memory limit of 50 MB" in big.stderr
         assert "1 replay(s) (1 failed)" in s.status()
+        # A server with a warm engine stops within 2 s, interpreter start included
+        # (it took 13 s: the engine parent never saw its control socket close).
+        started = time.monotonic()
+        stop = s.cli("server", "stop")
+        took = time.monotonic() - started
+        assert stop.returncode == 0 and stop.stdout.startswith("server stopped"), stop
+        assert took < 2.0, f"server stop took {took:.1f} s"
+        assert "no server running" in s.status()
     finally:
         s.stop()
 
@@ -290,3 +298,60 @@ def test_server_options_are_checked():
     assert proc.stderr.strip() == "replayer: error: server status takes no options"
     proc = cli("server", "start", "--idle-timeout", "0")
     assert proc.returncode == 2 and "must be positive" in proc.stderr
+
+
+def test_auto_server_starts_one_on_first_use_and_says_so_once():
+    """PREFIX_REPLAYER_AUTO_SERVER=1: the first client that finds no server starts
+    one (lazy: no engine ahead), says so in one line, and later ones find it."""
+    root = _runtime_dir()
+    env = {**os.environ, "PREFIX_REPLAYER_RUNTIME_DIR": str(root),
+           "PREFIX_REPLAYER_NO_SERVER": "", "PREFIX_REPLAYER_AUTO_SERVER": "1"}
+    code = ("from replayer.replay.execution.clients import warm_server_running\n"
+            "print(warm_server_running(), warm_server_running())\n")
+    try:
+        first = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=120)
+        assert (first.returncode, first.stdout) == (0, "True True\n"), first
+        said = first.stderr.splitlines()
+        assert len(said) == 1 and said[0].startswith("replayer: server started: pid "), said
+        assert said[0].endswith("(PREFIX_REPLAYER_AUTO_SERVER=1; `replayer server stop` stops "
+                                "it): this command starts its engine, later ones replay warm")
+        again = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=120)
+        assert (again.stdout, again.stderr) == ("True True\n", "")    # found, not started
+        status = cli("server", "status", env=env)
+        assert "engines warm: none yet" in status.stdout, status
+        off = subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True, timeout=120,
+                             capture_output=True, env={**env, "PREFIX_REPLAYER_AUTO_SERVER": "",
+                                                       "PREFIX_REPLAYER_RUNTIME_DIR": str(root / "x")})
+        assert (off.stdout, off.stderr) == ("False False\n", "")     # not asked: none started
+    finally:
+        cli("server", "stop", env=env)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_slow_cold_start_names_the_warm_server_once_to_a_person(tmp_path, monkeypatch):
+    import io
+
+    from replayer.cli.hints import warm_server_hint
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("PREFIX_REPLAYER_CACHE", str(tmp_path))
+    monkeypatch.delenv("PREFIX_REPLAYER_NO_SERVER", raising=False)
+    monkeypatch.delenv("PREFIX_REPLAYER_AUTO_SERVER", raising=False)
+    assert not warm_server_hint([0.4, 1.2], Terminal())          # quick: nothing to say
+    assert not warm_server_hint([9.1], io.StringIO())            # not a person: a pipe
+    monkeypatch.setenv("PREFIX_REPLAYER_NO_SERVER", "1")
+    assert not warm_server_hint([9.1], Terminal())               # cold on purpose
+    monkeypatch.delenv("PREFIX_REPLAYER_NO_SERVER")
+    term = Terminal()
+    assert warm_server_hint([0.3, 9.1], term)
+    assert term.getvalue() == (
+        "replayer: hint: 9 s of this command went to starting vLLM. `replayer server start` "
+        "keeps it imported, so later commands replay in under a second; "
+        "PREFIX_REPLAYER_AUTO_SERVER=1 starts it on first use (docs/warm-engines.md). "
+        "Said once.\n")
+    assert not warm_server_hint([9.1], Terminal())               # once

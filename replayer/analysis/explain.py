@@ -50,6 +50,15 @@ CAUSES = ("capacity", "store", "reset", "eagle_drop", "sparse_retention", "slidi
 
 Replayer = Callable[[Trace], ReplayResult]
 
+#: Why dense checkpoints cannot give a Mamba group state it never had: vLLM's
+#: align mode (``CacheConfig.mamba_cache_mode``) caches "the mamba state of the
+#: last token of each scheduler step and when the token is at position i *
+#: block_size", plus a shared-prefix junction once a lookup has found it; the
+#: retention interval only decides which of those are kept.
+MAMBA_WRITES = ("; a Mamba group has state only where a scheduler step's prefill chunk ended "
+                "on a block boundary (or at a shared-prefix junction a lookup found first): "
+                "dense retention keeps every state written, it writes none")
+
 #: Events that empty the GPU cache or the store, or make the store fail: one
 #: counterfactual removes them all.
 EMPTYING_EVENTS = ("reset_prefix_cache", "evict", "store_remove", "store_fault")
@@ -144,6 +153,10 @@ class Explanation:
     replays: list[dict[str, Any]]       # baseline then each counterfactual: change, summary
     baseline: ReplayResult
     timings: dict[str, float] = field(default_factory=dict)
+    # Requests whose hit stopped, on the last counterfactual (dense checkpoints
+    # included), where a Mamba group had no state: id -> (tokens the Mamba groups
+    # could serve, tokens the hit needed them to). Part of their sparse_retention.
+    mamba_short: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def totals(self) -> dict[str, int]:
         return {c: int(self.table[f"lost_{c}"].sum()) for c in CAUSES}
@@ -278,6 +291,7 @@ def explain(trace: Trace, run: Replayer, *,
         evidence[step.cause] = step.evidence
         replays.append({"change": step.change, "cause": step.cause, "summary": last.summary()})
     by_id = last.by_id()
+    mamba_short: dict[str, tuple[int, int]] = {}
     for rid, r in zip(ids, reach["reachable"].to_list()):
         floor = (r // align) * align
         lost["alignment"][rid] = r - floor
@@ -286,13 +300,25 @@ def explain(trace: Trace, run: Replayer, *,
             cause = _limiting_kind(by_id[rid], last.kv_groups, prev[rid], floor) if gap > 0 \
                 else "unexplained"
             lost[cause][rid] += gap
+            if cause == "sparse_retention":
+                mamba_short[rid] = (min(by_id[rid].group_hits), floor)
     evidence["alignment"] = (f"the reachable prefix minus its floor to vLLM's "
                              f"cache_hit_alignment_tokens ({align})")
     kinds = {g.kind for g in trace.engine.kv_groups}
-    evidence.setdefault("sparse_retention", (
-        "what vLLM's per-group lookup (find_longest_cache_hit_per_group) on the last replay "
-        "shows a Mamba group could not serve" if "mamba" in kinds
-        else "no Mamba or sliding-window group in this geometry: nothing to measure"))
+    no_state = sum(floor - low for low, floor in mamba_short.values())
+    if "sparse_retention" in evidence:
+        dense = sum(lost["sparse_retention"].values()) - no_state
+        evidence["sparse_retention"] = (
+            f"replay with dense Mamba/SWA checkpoints minus the previous ({dense}), plus "
+            f"where vLLM's per-group lookup (find_longest_cache_hit_per_group) on that replay "
+            f"shows a Mamba group had no state ({no_state}){MAMBA_WRITES if no_state else ''}")
+    elif "mamba" in kinds:
+        evidence["sparse_retention"] = (
+            "what vLLM's per-group lookup (find_longest_cache_hit_per_group) on the last replay "
+            f"shows a Mamba group could not serve{MAMBA_WRITES if no_state else ''}")
+    else:
+        evidence["sparse_retention"] = ("no Mamba or sliding-window group in this geometry: "
+                                        "nothing to measure")
     evidence["sliding_window"] = (
         "what vLLM's per-group lookup on the last replay shows a sliding-window group could "
         "not serve" if "sliding_window" in kinds
@@ -313,4 +339,4 @@ def explain(trace: Trace, run: Replayer, *,
                          *[f"lost_{c}" for c in CAUSES], "reachable_from")
     return Explanation(engine=trace.engine, unit=unit, hit_alignment=align, table=frame,
                        evidence={c: evidence[c] for c in CAUSES}, replays=replays,
-                       baseline=base)
+                       baseline=base, mamba_short=mamba_short)

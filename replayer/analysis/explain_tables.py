@@ -67,6 +67,12 @@ def render(ex: Explanation, top: int = 5, rows: int = TABLE_ROWS) -> str:
         why = explain_groups(by_id.get(r["id"]), ex.baseline.kv_groups)
         if why:
             out.append(f"    why: {why}")
+        if r["id"] in ex.mamba_short:
+            low, need = ex.mamba_short[r["id"]]
+            out.append(f"    {need - low} of its sparse_retention: on the last replay "
+                       f"({ex.replays[-1]['change']}) the Mamba groups had state up to {low} "
+                       f"of the {need} it shares: none was written at {need} (only where a "
+                       "prefill chunk ended, or at a junction a lookup found first)")
     return "\n".join(out)
 
 

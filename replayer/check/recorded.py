@@ -35,7 +35,9 @@ def record_replay(trace: Trace, out_dir: str | Path, store: Any = None,
                   spec: Any = INSTALLED) -> ReplayResult:
     """Replay ``trace`` on ``spec`` (the installed vLLM, or a release the recorder
     hooks: 0.32) with the recorder writing to ``out_dir``."""
-    return replay_on(trace, spec, store=store, record_dir=str(out_dir))
+    from replayer.recorder.install import recording_into
+
+    return replay_on(trace, spec, store=store, recorder=recording_into(str(out_dir)))
 
 
 def _rows(table, cols: tuple[str, ...]) -> list[tuple]:

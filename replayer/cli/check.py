@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from replayer.replay.engines import UnsupportedByEngine
-    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.engines.specs import parse_spec, resolve_unless_known
     from replayer.replay.execution.clients import engine_runner
 
     spec = parse_spec(args.engine, args.worker)
@@ -68,6 +68,9 @@ def run(args) -> int:
     if args.against == "recorded":
         return check_recorded(args, traces, spec)
     worst = EXIT_OK
+    # A release not known to exist is fetched before its goldens are looked for:
+    # one that does not exist is bad input (exit 2), not "no goldens".
+    engine = resolve_unless_known(spec)
     if not args.update_golden and not args.recompute:   # said before any replay, not replayed
         from replayer.check.goldens import (
             engine_key_of,
@@ -86,7 +89,7 @@ def run(args) -> int:
         if not traces:
             return worst
     reports = {}
-    with engine_runner(spec) as run:                # one engine process for every target
+    with engine_runner(engine) as run:              # one engine process for every target
         for path, trace in traces:
             try:
                 result = replay_target(trace, args, run)

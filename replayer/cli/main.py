@@ -93,7 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from replayer.replay.store import StoreError
 
     try:
-        return COMMANDS[args.command].run(args)
+        code = COMMANDS[args.command].run(args)
+        if args.command in REPLAY_COMMANDS:
+            from replayer.cli.hints import warm_server_hint
+            from replayer.replay.execution.clients import COLD_STARTS
+
+            warm_server_hint(COLD_STARTS)
+        return code
     except (TraceError, EngineError, ReplayError, StoreError) as exc:
         return error(str(exc))
     except OSError as exc:                  # a disk that is full, read-only, gone

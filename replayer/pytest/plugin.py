@@ -276,6 +276,7 @@ class GoldenItem(pytest.Item):
             said_before_replay,
         )
         from replayer.replay.engines import UnsupportedByEngine
+        from replayer.replay.engines.specs import resolve_unless_known
 
         if self.error is not None:
             raise self.error
@@ -283,6 +284,7 @@ class GoldenItem(pytest.Item):
         shown = self._shown_path()
         update = self.config.getoption("replayer_update_golden")
         spec = pool.specs[self.spec]
+        resolve_unless_known(spec)          # a release that does not exist: its error, first
         key = engine_key_of(spec)
         if not update and said_before_replay(spec, self.trace) and not has_goldens(self.trace, key):
             raise GoldenCheckFailed(_pytest_hint("\n".join(no_goldens(shown, key))))

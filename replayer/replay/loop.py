@@ -63,6 +63,10 @@ class ReplayResult:
     # Tokens every prefix hit is a multiple of (vLLM's cache_hit_alignment_tokens),
     # when the adapter tells; not part of the JSON.
     hit_alignment: int | None = None
+    # The fewest num_gpu_blocks vLLM builds this engine with (one max_model_len
+    # request in every group, plus the null block), when the adapter tells; the
+    # floor of shrink's cache search. Not part of the JSON.
+    min_gpu_blocks: int | None = None
     # When each request last looked up the prefix cache, (engine step, lookup
     # number), and the engine step it finished in (steps counted as run, not
     # the clock): who could see whose prefix (replayer.analysis.explain). Adapters that
@@ -382,6 +386,7 @@ def replay(trace: Trace, engine: EngineAdapter,
                         kv_groups=engine.kv_groups(), notes=list(engine.notes),
                         streamed=None if sink is None else totals,
                         hit_alignment=engine.hit_alignment(), lookups=engine.lookups(),
+                        min_gpu_blocks=engine.min_gpu_blocks(),
                         finished_engine_step=finished_engine_step,
                         hits_are_first_prefill=engine.hits_are_first_prefill(),
                         timings={"loop_s": time.perf_counter() - t_start,

@@ -90,6 +90,7 @@ def _shrink(target, output, prop, case0, clients, max_probes, timeout, say) -> O
     best = [case0]
     prober = Prober(prop, clients, max_probes=max_probes, timeout=timeout,
                     workers=_workers(clients))
+    prober.note_floor(case0, first)
     stage = ["requests"]
 
     def line() -> str:

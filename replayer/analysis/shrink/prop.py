@@ -100,7 +100,7 @@ class Differ:
                       f"store: {len(s.only_a)} key(s) only on A, {len(s.only_b)} only on B, "
                       f"{len(s.lookup_diffs)} lookup(s) differ"
                       + (f" ({len(hits)} of them name {rid})" if rid else ""))
-            return Verdict(bool(hits), detail, hits[0] if hits else rid, results)
+            return Verdict(bool(hits), detail, hits[0] if hits else rid, results=results)
         differing = [x for x in d.differing if rid is None or x.id == rid]
         if rid is not None:
             ca = ra.by_id()[rid].num_cached_tokens
@@ -109,7 +109,8 @@ class Differ:
         else:
             detail = (f"{len(d.differing)} of {d.requests} request(s) differ"
                       + (f" (first: {d.differing[0].id})" if d.differing else ""))
-        return Verdict(bool(differing), detail, differing[0].id if differing else rid, results)
+        return Verdict(bool(differing), detail, differing[0].id if differing else rid,
+                       results=results)
 
 
 #: Candidates evaluated per batch, whatever the concurrency: the probes a search
@@ -131,6 +132,8 @@ class Prober:
         self.probes = 0
         self.on_probe = on_probe or (lambda: None)
         self._cache: dict[str, bool] = {}
+        # case key -> the fewest num_gpu_blocks its engines build with (vLLM's own floor)
+        self._floors: dict[str, int] = {}
         self._lock = threading.Lock()
         self.errors = 0                         # probes whose replay failed (counted as lost)
         self.first_error: str | None = None
@@ -157,19 +160,42 @@ class Prober:
                 return self._cache[key]
         self._take()
         try:
-            ok = self.prop.evaluate(case, self.clients).holds
+            verdict = self.prop.evaluate(case, self.clients)
+            ok = verdict.holds
+            self.note_floor(case, verdict)
         except (LimitReached, KeyboardInterrupt):
             raise
         except Exception as exc:    # vLLM refused the engine, the replay could not finish
             ok = False
             with self._lock:
                 self.errors += 1
-                if self.first_error is None:
-                    self.first_error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                if self.first_error is None:    # its first line, whole
+                    self.first_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
         with self._lock:
             self._cache[key] = ok
         self.on_probe()
         return ok
+
+    def note_floor(self, case: Case, verdict: Verdict) -> None:
+        """Keep what ``verdict``'s replays say of vLLM's smallest pool for ``case``."""
+        floors = [r.min_gpu_blocks for r in verdict.results.values()
+                  if getattr(r, "min_gpu_blocks", None) is not None]
+        if floors:
+            with self._lock:
+                self._floors[case.key()] = max(floors)
+
+    def gpu_blocks_floor(self, case: Case) -> int | None:
+        """The fewest ``num_gpu_blocks`` every engine builds ``case`` with, as vLLM
+        itself counts them (None: no engine tells). Known from the probe that kept
+        ``case``; else one more probe (counted)."""
+        with self._lock:
+            if case.key() in self._floors:
+                return self._floors[case.key()]
+        self._take()
+        self.note_floor(case, self.prop.evaluate(case, self.clients))
+        self.on_probe()
+        with self._lock:
+            return self._floors.get(case.key())
 
     def first_passing(self, cases: Sequence[Case]) -> int | None:
         """The lowest index whose case keeps the property (None: none does).

@@ -131,15 +131,29 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _refusing(recorder: Any) -> Any:
+    """``recorder`` whose RuntimeError (a release it cannot hook) is an
+    :class:`UnsupportedByEngine`, which ``check`` reports as SKIP."""
+    def install(config: Any, version: str, connector: bool) -> None:
+        try:
+            recorder(config, version, connector)
+        except RuntimeError as exc:
+            raise UnsupportedByEngine(f"recording a replay on vLLM {version}: {exc}") from None
+    return install
+
+
 def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
-                record_dir: str | None = None, kv_events: bool = False) -> EngineAdapter:
+                recorder: Any = None, kv_events: bool = False) -> EngineAdapter:
     """Build the adapter for ``spec`` over a sized engine block, in this process.
 
     Called only by :mod:`replayer.replay.execution.in_process`, which decides where an engine runs:
     ``spec`` is the installed vLLM or the sources this process imports (a
     child started by :mod:`replayer.replay.execution.child_process`). ``store`` is a
-    :class:`replayer.replay.store.StoreSpec` for traces with a connector; ``record_dir``
-    records the replay there (:mod:`replayer.recorder`); ``kv_events`` turns vLLM's
+    :class:`replayer.replay.store.StoreSpec` for traces with a connector; ``recorder``,
+    the caller's (the replay knows no recorder), is called as ``recorder(vllm_config,
+    version, connector)`` before the engine is built, to put its hooks into the
+    config, and raises RuntimeError for a release it cannot record (said as
+    :class:`UnsupportedByEngine`); ``kv_events`` turns vLLM's
     KV-cache events on and collects them (adapters with ``supports_kv_events``)."""
     if not spec.runs_here():
         raise EngineError(f"engine {spec.info.label} runs in a process of its own: replay it "
@@ -156,7 +170,8 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
                           f"{_first_line(exc)}") from exc
     try:
         extra = {} if spec.worker == "null" else {"worker": spec.worker}
-        adapter = module.open_engine(engine, version, store=store, record_dir=record_dir,
+        adapter = module.open_engine(engine, version, store=store,
+                                     recorder=None if recorder is None else _refusing(recorder),
                                      kv_events=kv_events, **extra)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         # vLLM validates geometry with ValueError/AssertionError (pydantic's too):

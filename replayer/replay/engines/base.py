@@ -167,6 +167,16 @@ class EngineAdapter(ABC):
         """vLLM's granularity of prefix hits (``cache_hit_alignment_tokens``), if known."""
         return None
 
+    def min_gpu_blocks(self) -> int | None:
+        """The fewest ``num_gpu_blocks`` vLLM builds this engine with
+        (:mod:`.capacity`), read from the adapter's vLLM scheduler; None without one."""
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is None:
+            return None
+        from replayer.replay.engines.capacity import min_gpu_blocks
+
+        return min_gpu_blocks(scheduler)
+
     #: Whether the adapter can turn vLLM's KV-cache events on and collect them
     #: (``open_engine(kv_events=True)``); an adapter without refuses such a trace.
     supports_kv_events: bool = False

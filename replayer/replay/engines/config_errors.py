@@ -69,6 +69,7 @@ def describe(exc: BaseException, version: str) -> str:
                     or f"vLLM's {cls}")
             more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
             return f"{name}: vLLM {version} {BUILD_FAILED}: {reason}{more}"
-    # Not pydantic: vLLM's own sentence names what it needs (a guess could mislead).
+    # Not pydantic: vLLM's own sentences name what it needs (a guess could mislead),
+    # all of them (cut at a length, one ended mid-sentence: "Try increasing `").
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"vLLM {version} {BUILD_FAILED}: {text[:300]}"
+    return f"vLLM {version} {BUILD_FAILED}: {text}"

@@ -189,28 +189,65 @@ class _FetchProgress:
         self(f"downloaded {done / 1e6:.0f}{of} MB")
 
 
+# pip prints byte counts ("Progress DONE of TOTAL") with --progress-bar raw from 24.1 on.
+RAW_PROGRESS_SINCE = (24, 1)
+
+
+def pip_version(python: str) -> tuple[int, ...]:
+    """The version of the pip ``python -m pip`` runs (a venv made by ``python3 -m
+    venv`` has the pip its Python bundles: 23.2.1 with 3.11); EngineError when
+    that Python has no pip."""
+    proc = subprocess.run([python, "-m", "pip", "--version"], capture_output=True, text=True,
+                          env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    m = re.match(r"pip (\d+)\.(\d+)", proc.stdout)
+    if proc.returncode != 0 or m is None:
+        said = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise EngineError(f"{python} -m pip does not run ({said}): a release is fetched "
+                          "with pip download; install pip in this environment")
+    return int(m.group(1)), int(m.group(2))
+
+
 def _download(version: str, dest: Path, progress: "_FetchProgress") -> Path:
-    # --progress-bar raw: pip prints "Progress DONE of TOTAL" lines on stdout
-    # (bytes), which we turn into a line every few seconds on stderr.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-           "--only-binary=:all:", "--disable-pip-version-check", "--progress-bar", "raw",
+    """The release's wheel, with this environment's own pip, whatever its version:
+    pip >= 24.1 reports bytes (``--progress-bar raw``: "Progress DONE of TOTAL"
+    lines on stdout, turned into a line every few seconds on stderr); an older
+    one (no ``raw``) downloads with no bar, and the time so far is said instead."""
+    python = sys.executable
+    try:
+        raw = pip_version(python) >= RAW_PROGRESS_SINCE
+    except EngineError as exc:
+        raise EngineError(f"engine vllm=={version}: cannot fetch the wheel: {exc}") from None
+    cmd = [python, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+           "--only-binary=:all:", "--disable-pip-version-check",
+           "--progress-bar", "raw" if raw else "off",
            "--dest", str(dest), f"vllm=={version}"]
-    with tempfile.TemporaryFile("w+") as errors:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
-        said: list[str] = []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            m = _PIP_PROGRESS.match(line)
-            if m:
-                progress.bytes(int(m.group(1)), int(m.group(2)))
-            else:
-                said.append(line)
-        code = proc.wait()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as errors:
+        if raw:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                m = _PIP_PROGRESS.match(line)
+                if m:
+                    progress.bytes(int(m.group(1)), int(m.group(2)))
+                else:
+                    out.write(line)
+            code = proc.wait()
+        else:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=errors, text=True)
+            started = time.monotonic()
+            while True:
+                try:
+                    code = proc.wait(timeout=progress.EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    progress(f"still downloading after {time.monotonic() - started:.0f} s "
+                             "(this pip is older than 24.1: no byte counts)")
+        out.seek(0)
         errors.seek(0)
-        err_text = errors.read()
+        said = out.read() + errors.read()
     wheels = sorted(dest.glob(f"vllm-{version}-*.whl")) if dest.is_dir() else []
     if code != 0 or not wheels:
-        lines = [ln.strip() for ln in ("".join(said) + err_text).splitlines()
+        lines = [ln.strip() for ln in said.splitlines()
                  if ln.strip() and not ln.startswith("WARNING")]
         why = lines[-1] if lines else f"pip exited with code {code}"
         raise EngineError(f"engine vllm=={version}: could not fetch the wheel with pip "

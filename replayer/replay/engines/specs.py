@@ -189,6 +189,20 @@ def resolve(spec: str | EngineSpec | ResolvedEngine) -> ResolvedEngine:
     return ResolvedEngine(parsed.text, info, str(parsed.package))
 
 
+def resolve_unless_known(spec: EngineSpec) -> EngineSpec | ResolvedEngine:
+    """``spec`` resolved now if it names a release not known to exist (not in
+    :data:`.releases.KNOWN_RELEASES`): fetched now (once: a cached one costs nothing), or an
+    EngineError with pip's reason. Callers that say "no goldens" without
+    replaying ask this first, so a release that does not exist is never
+    reported as missing goldens. Anything else comes back as it is (resolved
+    when it replays)."""
+    from replayer.replay.engines.releases import KNOWN_RELEASES
+
+    if spec.kind == "release" and spec.version not in KNOWN_RELEASES:
+        return resolve(spec)
+    return spec
+
+
 def _imports_from(sources: str) -> bool:
     found = importlib.util.find_spec("vllm")
     origin = found.origin if found is not None else None

@@ -140,7 +140,7 @@ def build_vllm_config(engine: EngineBlock, version: str,
 
 
 def open_engine(engine: EngineBlock, version: str, store: Any = None,
-                record_dir: str | None = None, kv_events: bool = False,
+                recorder: Any = None, kv_events: bool = False,
                 worker: str = "null") -> CoreEngine:
     check_connector(version, engine.connector, f"vllm {version}")
     if engine.speculative and any(g.kind == "chunked_local" for g in engine.kv_groups):
@@ -161,17 +161,8 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
         worker_args = model_args(engine, f"vllm {version}")
         executor = ModelExecutor
     config = build_vllm_config(engine, version, executor, kv_events, worker=worker_args)
-    if record_dir is not None:
-        # Record this run through vLLM's own hooks, where this vLLM has every
-        # name they use (the server makes the same check when it starts).
-        from replayer.recorder.install import install_recorder
-        from replayer.recorder.releases import check_release
-
-        try:
-            check_release(version, connector=bool(engine.connector))
-        except RuntimeError as exc:
-            raise UnsupportedByEngine(f"recording a replay on vLLM {version}: {exc}") from None
-        install_recorder(config, record_dir)
+    if recorder is not None:                # the caller's hooks (see replay.engines.open_engine)
+        recorder(config, version, bool(engine.connector))
     if engine.connector:
         store_engine = store_adapter(version, engine.connector,
                                      f"vllm {version}").StoreConnectorEngine

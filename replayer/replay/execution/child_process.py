@@ -149,18 +149,20 @@ class EngineProcess:
         send(self._proc.stdin, self.engine)
 
     def replay(self, trace: Trace, progress: Callable[[Any], None] | None = None,
-               store: Any = None, record_dir: str | None = None, shortcuts: bool = True):
+               store: Any = None, recorder: Any = None, shortcuts: bool = True):
         """Replay ``trace`` in the child; same result and errors as in this process."""
         check_supported(self.info.vllm, trace.engine, self.info.label, self.info.worker)
         if self._proc is None or self._proc.stdin is None:
             raise EngineError(f"{self.info.label}: the engine process is closed")
         try:
-            send(self._proc.stdin, Job(trace, store, None if record_dir is None
-                                       else str(record_dir), shortcuts, progress is not None))
+            send(self._proc.stdin, Job(trace, store, recorder, shortcuts,
+                                       progress is not None))
         except BrokenPipeError:
             pass                                    # reported below, with the exit code
         try:
-            return read_answer(self._answers, progress, self.info.label)
+            from replayer.replay.execution.clients import note_cold_start
+
+            return note_cold_start(read_answer(self._answers, progress, self.info.label))
         except AnswerLost:
             code = self._proc.wait()
             raise EngineError(f"{self.info.label}: the engine process exited with code "

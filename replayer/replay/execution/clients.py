@@ -31,10 +31,23 @@ from traces import Trace
 
 Spec = str | EngineSpec | ResolvedEngine
 
+#: Seconds each cold replay of this process spent starting its engine (vLLM's
+#: import, on a client's first replay, and the engine build): what the CLI's
+#: once-only hint about the warm server reads (:mod:`replayer.cli.hints`).
+COLD_STARTS: list[float] = []
+
+
+def note_cold_start(result: ReplayResult) -> ReplayResult:
+    """Keep ``result``'s start-up time (a cold client's replay); returns it."""
+    seconds = result.timings.get("startup_s")
+    if seconds is not None:
+        COLD_STARTS.append(float(seconds))
+    return result
+
 
 class EngineClient(Protocol):
     """Replays traces on one engine: ``client(trace, progress=, store=,
-    record_dir=, shortcuts=)``; :meth:`replay_many` runs several at once where
+    recorder=, shortcuts=)``; :meth:`replay_many` runs several at once where
     the implementation can."""
 
     info: EngineInfo
@@ -42,7 +55,7 @@ class EngineClient(Protocol):
     parallel: bool          # replay_many runs its traces side by side
 
     def __call__(self, trace: Trace, progress: Callable[[Any], None] | None = None,
-                 store: Any = None, record_dir: str | None = None,
+                 store: Any = None, recorder: Any = None,
                  shortcuts: bool = True, **kw: Any) -> ReplayResult: ...
 
     def replay_many(self, traces: Sequence[Trace], store: Any = None) -> list[ReplayResult]: ...
@@ -61,12 +74,12 @@ class InProcessClient:
         self.info = engine.info
 
     def __call__(self, trace: Trace, progress: Callable[[Any], None] | None = None,
-                 store: Any = None, record_dir: str | None = None, shortcuts: bool = True,
+                 store: Any = None, recorder: Any = None, shortcuts: bool = True,
                  sink: Callable[[Any], None] | None = None) -> ReplayResult:
         from replayer.replay.execution.in_process import replay_here
 
-        return replay_here(trace, self.engine, progress=progress, store=store,
-                           record_dir=record_dir, shortcuts=shortcuts, sink=sink)
+        return note_cold_start(replay_here(trace, self.engine, progress=progress, store=store,
+                                           recorder=recorder, shortcuts=shortcuts, sink=sink))
 
     def replay_many(self, traces: Sequence[Trace], store: Any = None) -> list[ReplayResult]:
         return [self(t, store=store) for t in traces]
@@ -91,10 +104,13 @@ def cold_client(engine: ResolvedEngine, *, own_process: bool = False,
 
 
 def warm_server_running() -> bool:
-    """Whether a warm server for this environment is there (and not opted out of)."""
-    from replayer.replay.execution.warm import paths
+    """Whether a warm server for this environment is there (and not opted out of);
+    with PREFIX_REPLAYER_AUTO_SERVER=1, one is started if none is (:mod:`.warm.auto`)."""
+    from replayer.replay.execution.warm import auto, paths
 
-    return paths.server_wanted() and paths.server_socket().exists()
+    if not paths.server_wanted():
+        return False
+    return paths.server_socket().exists() or auto.start_if_wanted()
 
 
 def runs_in_this_process(spec: Spec = INSTALLED) -> bool:

@@ -38,12 +38,13 @@ def _run_planted() -> None:
 
 @contextmanager
 def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
-                record_dir: str | None = None) -> Iterator[EngineAdapter]:
+                recorder: Any = None) -> Iterator[EngineAdapter]:
     """``trace``'s engine, built in this process and closed after the block.
 
     The only caller of :func:`replayer.replay.engines.open_engine`. ``spec`` must be
     the installed vLLM or the engine a child process imports;
-    ``record_dir`` records the replay there through vLLM's own hooks."""
+    ``recorder``: the caller's hook that records the replay through vLLM's own
+    hooks (see :func:`replayer.replay.engines.open_engine`)."""
     refuse_unsupported(trace)
     engine = trace.sized_engine()
     resolved = resolve(spec)
@@ -61,8 +62,7 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
     # objects that all survive: fewer GC passes over them (.gc_tuning).
     _run_planted()
     with engine_hash_seed(engine.hash_seed), fewer_gc_passes():
-        adapter = open_engine(engine, resolved, store=store,
-                              record_dir=None if record_dir is None else str(record_dir),
+        adapter = open_engine(engine, resolved, store=store, recorder=recorder,
                               kv_events=trace.collects_kv_events)
     try:
         yield adapter
@@ -72,12 +72,12 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
 
 def replay_here(trace: Trace, spec: Spec = INSTALLED, *,
                 progress: Callable[[Progress], None] | None = None, store: Any = None,
-                record_dir: str | None = None, shortcuts: bool = True,
+                recorder: Any = None, shortcuts: bool = True,
                 sink: Callable[[Any], None] | None = None) -> ReplayResult:
     """Build ``trace``'s engine in this process, replay it, close it; ``sink``
     as :func:`replayer.replay.loop.replay` takes it (in this process only)."""
     t_start = time.perf_counter()
-    with engine_here(trace, spec, store=store, record_dir=record_dir) as adapter:
+    with engine_here(trace, spec, store=store, recorder=recorder) as adapter:
         t_ready = time.perf_counter()
         result = replay(trace, adapter, progress=progress, shortcuts=shortcuts, sink=sink)
     result.timings.update(startup_s=t_ready - t_start, wall_s=time.perf_counter() - t_start)

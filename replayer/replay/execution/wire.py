@@ -25,7 +25,9 @@ class Job:
 
     trace: Any
     store: Any = None
-    record_dir: str | None = None
+    # Called with the engine's vLLM config before it is built (open_engine's
+    # ``recorder``); a module-level function or a partial of one, so it pickles.
+    recorder: Any = None
     shortcuts: bool = True
     # Whether the caller takes progress: a frame for every engine step (callers
     # use it as a per-step hook), or none at all (explain's parallel replays:

@@ -8,6 +8,7 @@ cannot be reached fails in seconds, not after the client's 90 s retry loop.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -28,6 +29,19 @@ REACH_TIMEOUT_S = 5.0
 # every time (--store memory --store-capacity evicts oldest-first, by step).
 NO_EVICTION = ("--eviction_high_watermark_ratio=1.0", "--eviction_ratio=0")
 
+# The shared libraries mooncake_master takes from the system (its other ones
+# ship in the wheel), and the Debian/Ubuntu package that has each. A machine
+# without RDMA usually lacks the first.
+SYSTEM_LIBRARIES = {
+    "libibverbs.so.1": "libibverbs1",
+    "libnuma.so.1": "libnuma1",
+    "libnl-3.so.200": "libnl-3-200",
+    "libnl-route-3.so.200": "libnl-route-3-200",
+    "libcurl.so.4": "libcurl4",
+}
+_MISSING_LIBRARY = re.compile(r"error while loading shared libraries: ([^:\s]+): "
+                              r"cannot open shared object file")
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -42,6 +56,23 @@ def master_binary() -> str:
         raise StoreError("mooncake_master not found: pip install "
                          "mooncake-transfer-engine-non-cuda (and apt-get install libibverbs1)")
     return found
+
+
+def missing_library(log: str) -> str:
+    """``: the shared library X is not installed (...)`` when the master's log shows
+    the dynamic loader refusing to start it (exit 127), else ``""``."""
+    try:
+        text = Path(log).read_text(errors="replace")
+    except OSError:
+        return ""
+    m = _MISSING_LIBRARY.search(text)
+    if m is None:
+        return ""
+    lib = m.group(1)
+    package = SYSTEM_LIBRARIES.get(lib)
+    where = (f"Debian/Ubuntu package {package}: apt-get install {package}" if package else
+             f"find the package that has it, e.g. apt-file search {lib}")
+    return f": the shared library {lib} is not installed ({where})"
 
 
 def wait_reachable(host: str, port: int, timeout: float = REACH_TIMEOUT_S) -> None:
@@ -77,7 +108,7 @@ class MasterProcess:
         try:
             self._wait_healthy()
         except BaseException:
-            self.close()
+            self.close(keep_log=True)               # the error names it: it must be there
             raise
 
     @property
@@ -90,7 +121,7 @@ class MasterProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise StoreError(f"mooncake_master exited with {self.proc.returncode} at "
-                                 f"start (log: {self.log.name})")
+                                 f"start{missing_library(self.log.name)} (log: {self.log.name})")
             try:
                 with urllib.request.urlopen(url, timeout=1.0) as r:
                     if r.status == 200:
@@ -111,7 +142,7 @@ class MasterProcess:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
-    def close(self) -> None:
+    def close(self, keep_log: bool = False) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -120,6 +151,8 @@ class MasterProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.log.close()
+        if keep_log:
+            return
         try:
             os.unlink(self.log.name)
         except OSError:

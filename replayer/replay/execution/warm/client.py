@@ -91,11 +91,10 @@ class WarmClient:
         self.cold_replays = 0
 
     def __call__(self, trace: Any, progress: Callable[[Any], None] | None = None,
-                 store: Any = None, record_dir: str | None = None,
+                 store: Any = None, recorder: Any = None,
                  shortcuts: bool = True) -> Any:
         check_supported(self.info.vllm, trace.engine, self.info.label)
-        job = Job(trace, store, None if record_dir is None else str(record_dir), shortcuts,
-                  progress is not None)
+        job = Job(trace, store, recorder, shortcuts, progress is not None)
         if self._cold is None:
             try:
                 result = self._warm(job, progress)
@@ -108,7 +107,7 @@ class WarmClient:
         # replay_many's threads take turns.
         with self._cold_lock:
             self.cold_replays += 1
-            return self._cold(trace, progress=progress, store=store, record_dir=record_dir,
+            return self._cold(trace, progress=progress, store=store, recorder=recorder,
                               shortcuts=shortcuts)
 
     def replay_many(self, traces: Sequence[Any], store: Any = None) -> list[Any]:

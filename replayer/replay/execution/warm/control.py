@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from replayer.replay.execution.warm import paths
@@ -63,6 +64,9 @@ def start(engines: list[str], idle_timeout: float, replay_timeout: float | None,
         deadline = time.monotonic() + READY_S
         while pong is None:
             if proc.poll() is not None:
+                pong = _ping()                      # another start won the race to the lock
+                if pong is not None and pong["pid"] != proc.pid:
+                    break
                 return [f"replayer: error: the server exited with code {proc.returncode} "
                         f"while starting (see {paths.server_log()})"], 2
             if time.monotonic() > deadline:
@@ -71,7 +75,8 @@ def start(engines: list[str], idle_timeout: float, replay_timeout: float | None,
                         f"(see {paths.server_log()})"], 2
             time.sleep(0.1)
             pong = _ping()
-        lines.append(f"server started: pid {pong['pid']}, listening on {paths.server_socket()}")
+        started = "server started" if pong["pid"] == proc.pid else "server already running"
+        lines.append(f"{started}: pid {pong['pid']}, listening on {paths.server_socket()}")
     else:
         lines.append(f"server already running: pid {pong['pid']}, listening on "
                      f"{paths.server_socket()}")
@@ -125,11 +130,26 @@ def stop() -> tuple[list[str], int]:
     pid = frame[1]
     deadline = time.monotonic() + 60               # its engines finish their replays first
     while time.monotonic() < deadline:
+        if has_exited(pid):
+            return [f"server stopped (pid {pid})"], 0
+        time.sleep(0.05)
+    return [f"replayer: error: the server (pid {pid}) is still stopping after 60 s"], 1
+
+
+def has_exited(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie. A zombie has exited: it waits
+    only for whoever reaps it (the init of a container may take seconds, and the
+    server of a test is this process's own child)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return [f"server stopped (pid {pid})"], 0
+            return True
         except PermissionError:
-            break
-        time.sleep(0.1)
-    return [f"replayer: error: the server (pid {pid}) is still stopping after 60 s"], 1
+            pass
+        return False
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")

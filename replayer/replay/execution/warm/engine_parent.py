@@ -325,7 +325,7 @@ def _child_main(engine: Any, request: dict[str, Any], conn_fd: int, err_fd: int,
         if job is not None:
             with _no_collections_at_teardown():
                 answer_frames(lambda j, progress: replay_here(
-                    j.trace, engine, store=j.store, record_dir=j.record_dir,
+                    j.trace, engine, store=j.store, recorder=j.recorder,
                     shortcuts=j.shortcuts, progress=progress), job, stream)
         stream.flush()
     except BaseException:  # noqa: BLE001 - the client is gone, or a bug: exit all the same
@@ -370,7 +370,13 @@ def main(ctrl_fd: int) -> int:
         ctrl.send(encode(("failed", f"{type(exc).__name__}: {exc}")))
         return 1
     ctrl.send(encode(("ready", info)))
-    return Parent(ctrl, engine, limits).run()
+    code = Parent(ctrl, engine, limits).run()
+    # Its children are done and it holds nothing to save: leave without the
+    # interpreter's teardown, which over vLLM's imports (torch's, jemalloc's
+    # threads, thousands of modules) took seconds of every `server stop`.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
