@@ -37,8 +37,9 @@ reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
   ``KimiK3DeltaAttention.get_kv_cache_spec`` marks FlashKDA's internal prefill
   checkpoints on its MambaSpec in its own way (:func:`kda_checkpoint_fields`);
   what the scheduler and managers then do with them is vLLM's own, and differs
-  (0.29 exports at full-block positions inside a chunk; 0.30 and 0.31 at the
-  hash-unit boundary ``(n - 1) // H * H``, less H under EAGLE; 0.32 from ``n``).
+  (0.29 exports the state at the last block boundary inside a chunk that ends
+  mid-block; 0.30 and 0.31 at the hash-unit boundary ``(n - 1) // H * H`` of
+  the chunk's end n, less H under EAGLE; 0.32 from ``n`` itself).
 * **``speculative.draft_group``** needs ``is_draft``: here every group is an
   EAGLE group whichever group the draft layer joins (a note says so).
 
