@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
