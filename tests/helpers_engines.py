@@ -66,3 +66,36 @@ def init_repo(repo: Path) -> None:
     repo.mkdir(parents=True, exist_ok=True)
     git(repo, "init", "-q")
     (repo / ".gitignore").write_text("__pycache__/\n")
+
+
+# vLLM #56794 ("Keep transient checkpoints out of prefix-cache eviction", merged
+# after #56615 was opened): under retention 0 a FlashKDA checkpoint inside a
+# prompt stays request-local. 0.30.0 carries it; the deployment #56615 measured
+# ran a main from before it. Removing this one rule from 0.30.0 gives #56615's
+# "main" row (0 / 0 / 30464): docs/kimi-k3.md.
+TRANSIENT_CHECKPOINT_RULE = """\
+            if (
+                retention_interval == 0
+                and num_tokens < request.num_prompt_tokens
+                and checkpoint_position != request.shared_prefix_boundary
+            ):
+                # retention_interval == 0 keeps this transient checkpoint
+                # request-local. The slot may carry a hash from this step's
+                # full-block pass; that must go too, since the checkpoint
+                # state is about to overwrite the block.
+                self.block_pool._maybe_evict_cached_block(checkpoint_block)
+                return None
+"""
+
+
+def before_56794_tree(dest: Path) -> Path:
+    """vLLM 0.30.0's sources without #56794's rule (fails loudly if it is not there)."""
+    from replayer.replay.engines.releases import release_sources
+
+    shutil.copytree(release_sources("0.30.0"), dest)
+    path = dest / DROP_FILE
+    text = path.read_text()
+    assert text.count(TRANSIENT_CHECKPOINT_RULE) == 1, (
+        f"#56794's transient-checkpoint rule is not in {path} exactly once")
+    path.write_text(text.replace(TRANSIENT_CHECKPOINT_RULE, ""))
+    return dest

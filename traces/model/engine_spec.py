@@ -40,6 +40,13 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "dflash")
 # "all" (cache every block's state) is 0.29-0.31's; 0.32 removed it.
 MAMBA_CACHE_MODES = ("align", "none", "all")
+# The bundled model configs vLLM reads as the target (replayer/models): the tiny
+# Llama (default; its 8-head twin above TP 2), or Kimi-K3's shape (its layer
+# pattern and MLA/KDA dimensions, no weights: docs/kimi-k3.md).
+TARGET_MODELS = ("tiny-llama", "kimi-k3")
+# vLLM's additional_config["kda_prefill_backend"] as resolved on the GPU ("auto"
+# picks flashkda on SM90/SM10x with bf16, head_dim 128 and a bounded gate).
+KDA_PREFILL_BACKENDS = ("flashkda", "flashinfer", "triton")
 
 DEFAULT_BLOCK_SIZE = 16       # CacheConfig.DEFAULT_BLOCK_SIZE in every release served
 DEFAULT_VOCAB_SIZE = 32000
@@ -142,6 +149,17 @@ class EngineBlock:
         "ParallelConfig.decode_context_parallel_size (default 1): DCP shards the KV "
         "blocks over this many ranks, so vLLM scales the scheduler block and hit "
         "alignment by it", int))
+    model: str | None = field(default=None, metadata=_doc(
+        "the bundled model config vLLM reads as the target: tiny-llama (None: the default, "
+        "its 8-head twin above TP 2) or kimi-k3 (Kimi-K3's 93-layer pattern and MLA/KDA "
+        "dimensions, replayer/models/kimi-k3: an MLA model, so DCP may equal TP)", str))
+    kda_prefill_backend: str | None = field(default=None, metadata=_doc(
+        "with a Mamba group: its layers are Kimi KDA layers, and this is vLLM's "
+        "additional_config kda_prefill_backend as resolved: flashkda (the GPU's 'auto' "
+        "choice; the layers export internal prefill checkpoints: MambaSpec "
+        "num_prefill_checkpoint_blocks and prefill_checkpoint_alignment as vLLM's "
+        "KimiK3DeltaAttention sets them), flashinfer or triton (none); None: a plain "
+        "Mamba spec", str))
     vocab_size: int = field(default=DEFAULT_VOCAB_SIZE, metadata=_doc(
         "vocabulary of the synthetic tokens (default 32000)", int))
     connector: str | None = field(default=None, metadata=_doc(
@@ -372,6 +390,12 @@ def _build(where: str, raw: Any) -> EngineBlock:
                    raw["prefix_cache_retention_interval"], minimum=0)
     _choice(where, "mamba_cache_mode", raw.get("mamba_cache_mode", "align"), MAMBA_CACHE_MODES,
             "engine.{key} must be one of {known}, got {value!r}")
+    if raw.get("model") is not None:
+        _choice(where, "model", raw["model"], TARGET_MODELS,
+                "engine.{key} {value!r} is not a bundled model (known: {known})")
+    if raw.get("kda_prefill_backend") is not None:
+        _choice(where, "kda_prefill_backend", raw["kda_prefill_backend"], KDA_PREFILL_BACKENDS,
+                "engine.{key} must be one of {known}, got {value!r}")
     if raw.get("connector") is not None:
         _choice(where, "connector", raw["connector"], CONNECTORS,
                 "engine.{key} {value!r} is not supported (known: {known})")
@@ -407,6 +431,10 @@ def _build(where: str, raw: Any) -> EngineBlock:
             raise TraceError(where, str(exc)) from None
     attention = [g.block_size for g in groups if g.kind != "mamba"]
     values.setdefault("block_size", min(attention))
+    if values.get("kda_prefill_backend") is not None and not any(
+            g.kind == "mamba" for g in groups):
+        raise TraceError(where, "engine.kda_prefill_backend needs a mamba group in "
+                                "engine.kv_groups (the KDA layers it describes)")
     speculative = None if spec is None else _speculative(where, spec, groups)
     return EngineBlock(kv_groups=groups, speculative=speculative, given=given, **values)
 

@@ -44,7 +44,9 @@ def field_name(cls: str, field: str) -> str:
 
 def _mentioned_field(cls: str, text: str) -> str | None:
     """A model-level validator names no field: find one of ours in its message."""
-    names = sorted(set(_engine_keys()) | {f for _, f in RENAMED}, key=len, reverse=True)
+    # ``model`` is an engine key and a word of most of vLLM's messages: never a match here.
+    names = sorted((set(_engine_keys()) - {"model"}) | {f for _, f in RENAMED}, key=len,
+                   reverse=True)
     for name in names:
         if re.search(rf"\b{re.escape(name)}\b", text):
             return field_name(cls, name)

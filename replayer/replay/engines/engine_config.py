@@ -41,6 +41,9 @@ TARGET_MODEL = MODELS / "tiny-llama"
 # split over the ranks, so each rank writes its own attention keys, as a large
 # model's do at TP 8. TP 1 and 2 keep tiny-llama, whose name every key carries.
 WIDE_TARGET_MODEL = MODELS / "tiny-llama-tp8"
+# Kimi-K3's shape (engine.model: kimi-k3): its layer pattern and MLA/KDA
+# dimensions, no weights; the Kimi derivation (replayer/shapes) reads it too.
+KIMI_K3_MODEL = MODELS / "kimi-k3"
 DRAFT_MODEL = MODELS / "tiny-eagle"
 MTP_DRAFT_MODEL = MODELS / "tiny-mtp"
 # A DFlash draft (Qwen3 architecture, vLLM's DFlashDraftModel) reading the
@@ -139,6 +142,8 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
         overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
     wide = engine.tensor_parallel_size > 2
     target = WIDE_TARGET_MODEL if wide else TARGET_MODEL
+    if engine.model == "kimi-k3":
+        target = KIMI_K3_MODEL
     draft = draft_model(spec.method, wide) if spec is not None else None
     dtype = "float16"
     cache_args = dict(cache_args or cache_kwargs(engine))

@@ -33,6 +33,13 @@ reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
   #56615 fixed; 0.32 puts Mamba at B and attention at B + H, as 0.33 does.
 * **``mamba_cache_mode: all``** (every block's Mamba state cached) exists on
   0.29-0.31 only; 0.32 refuses it (``check_supported`` in ``__init__``).
+* **Kimi KDA layers** (``kda_prefill_backend``): each release's
+  ``KimiK3DeltaAttention.get_kv_cache_spec`` marks FlashKDA's internal prefill
+  checkpoints on its MambaSpec in its own way (:func:`kda_checkpoint_fields`);
+  what the scheduler and managers then do with them is vLLM's own, and differs
+  (0.29 exports the state at the last block boundary inside a chunk that ends
+  mid-block; 0.30 and 0.31 at the hash-unit boundary ``(n - 1) // H * H`` of
+  the chunk's end n, less H under EAGLE; 0.32 from ``n`` itself).
 * **``speculative.draft_group``** needs ``is_draft``: here every group is an
   EAGLE group whichever group the draft layer joins (a note says so).
 
@@ -83,7 +90,8 @@ def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
         return MambaSpec(block_size=plan.block_size, shapes=((4,),), dtypes=(DTYPE,),
                          page_size_padded=plan.page_bytes,
                          mamba_cache_mode=engine.mamba_cache_mode,
-                         num_speculative_blocks=engine.num_speculative_tokens)
+                         num_speculative_blocks=engine.num_speculative_tokens,
+                         **kda_checkpoint_fields(engine))
     if plan.kind == "sliding_window":
         return SlidingWindowSpec(block_size=plan.block_size, num_kv_heads=1,
                                  head_size=plan.head_size, dtype=DTYPE,
@@ -97,6 +105,37 @@ def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
                                 head_size=2 * plan.head_size, dtype=DTYPE)
     return FullAttentionSpec(block_size=plan.block_size, num_kv_heads=1,
                              head_size=plan.head_size, dtype=DTYPE)
+
+
+# 0.30's KimiK3DeltaAttention.get_kv_cache_spec sets this alignment inline
+# (``16 if self.kda_prefill_backend == "flashkda" else None``); 0.31 and 0.32 name
+# it kda_prefill_checkpoint_alignment. tests/test_kimi_k3.py reads each release.
+FLASHKDA_CHECKPOINT_ALIGNMENT_0_30 = 16
+
+
+def kda_checkpoint_fields(engine: EngineBlock) -> dict[str, Any]:
+    """What this release's Kimi KDA layer adds to its MambaSpec for
+    ``engine.kda_prefill_backend`` (``KimiK3DeltaAttention.get_kv_cache_spec``):
+    0.29 only ``num_prefill_checkpoint_blocks`` (its spec has no alignment);
+    0.30 the inline alignment; 0.31 and 0.32 vLLM's own function."""
+    backend = engine.kda_prefill_backend
+    if backend is None:
+        return {}
+    from dataclasses import fields
+
+    flashkda = backend == "flashkda"
+    if "prefill_checkpoint_alignment" not in {f.name for f in fields(MambaSpec)}:
+        return {"num_prefill_checkpoint_blocks": int(flashkda)}        # 0.29
+    try:
+        from vllm.model_executor.layers.mamba.kda_checkpoint import (
+            kda_prefill_checkpoint_alignment,
+        )
+    except ImportError:                                                 # 0.30
+        alignment = FLASHKDA_CHECKPOINT_ALIGNMENT_0_30 if flashkda else None
+    else:
+        alignment = kda_prefill_checkpoint_alignment(backend)
+    return {"num_prefill_checkpoint_blocks": int(alignment is not None),
+            "prefill_checkpoint_alignment": alignment}
 
 
 def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:

@@ -52,7 +52,8 @@ def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
         spec: KVCacheSpec = MambaSpec(
             block_size=plan.block_size, shapes=((4,),), dtypes=(DTYPE,),
             page_size_padded=plan.page_bytes, mamba_cache_mode=engine.mamba_cache_mode,
-            num_speculative_blocks=engine.num_speculative_tokens)
+            num_speculative_blocks=engine.num_speculative_tokens,
+            **kda_checkpoint_fields(engine))
     elif plan.kind == "sliding_window":
         spec = SlidingWindowSpec(block_size=plan.block_size, num_kv_heads=1,
                                  head_size=plan.head_size, dtype=DTYPE,
@@ -69,6 +70,22 @@ def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
                                  head_size=plan.head_size, dtype=DTYPE)
     # vLLM marks the group holding the draft model's layers as the EAGLE group.
     return replace(spec, is_draft=True) if plan.draft else spec
+
+
+def kda_checkpoint_fields(engine: EngineBlock) -> dict[str, Any]:
+    """What vLLM's Kimi KDA layer adds to its MambaSpec
+    (``KimiK3DeltaAttention.get_kv_cache_spec``): with FlashKDA prefill, one
+    internal prefill-checkpoint block at vLLM's own alignment, so a chunk can
+    publish a state inside itself instead of stopping at a block boundary."""
+    if engine.kda_prefill_backend is None:
+        return {}
+    from vllm.model_executor.layers.mamba.kda_checkpoint import (
+        kda_prefill_checkpoint_alignment,
+    )
+
+    alignment = kda_prefill_checkpoint_alignment(engine.kda_prefill_backend)
+    return {"num_prefill_checkpoint_blocks": int(alignment is not None),
+            "prefill_checkpoint_alignment": alignment}
 
 
 def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:

@@ -92,6 +92,9 @@ def refusal(engine: EngineBlock) -> str | None:
 def check_geometry(engine: EngineBlock, label: str) -> None:
     """Refuse, before vLLM is imported, what no tiny model here can take."""
     kinds = [g.kind for g in engine.kv_groups]
+    if engine.model == "kimi-k3" or engine.kda_prefill_backend is not None:
+        raise _refuse(label, "Kimi-K3's shape (engine.model, engine.kda_prefill_backend): "
+                             "no tiny model here has KDA layers or FlashKDA's checkpoints")
     if engine.connector:
         raise _refuse(label, f"engine.connector {engine.connector}: the MooncakeStore "
                              "connector's worker side is not yet run over the model's tensors")
