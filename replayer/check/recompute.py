@@ -5,7 +5,7 @@ state it resumes from are the ones a recompute would have produced. On the
 model worker (``--worker model``) the replay reports, per request, the model's
 logprob of each of its output tokens (forced to the trace's). This module
 replays every request that had a hit (local or from the store) again, cold:
-alone in a fresh engine, its prompt salted with a cache salt of its own so that
+in a fresh engine, entering at the step it entered before, its prompt salted with a cache salt of its own so that
 no cached block or store key can serve it, with the same forced tokens, the
 same model and the same engine geometry. Where the hit was right, both give the
 same logprobs up to the float rounding of a different prefill chunking; where
@@ -13,7 +13,7 @@ it was wrong, they differ.
 
 The tolerance is measured, not guessed (:func:`calibrate`): the same cold
 recompute run a second time with another chunking (``max_num_batched_tokens``
-cut to a third), and the largest logprob difference between the two on this
+halved), and the largest logprob difference between the two on this
 machine. A hit resumes through other code (other chunk boundaries, a window's
 blocks skipped, another batch) whose float rounding is of the same size, a few
 float32 units in the last place of the logprob, so the threshold is
@@ -101,12 +101,14 @@ def hit_requests(result: ReplayResult) -> list[str]:
             if (r.num_cached_tokens or 0) > 0 and r.logprobs and not r.aborted]
 
 
-def cold_trace(trace: Trace, ids: list[str], max_num_batched_tokens: int | None = None) -> Trace:
-    """``ids`` replayed alone, one after another, each under a cache salt of its own
-    (no cached block, no store key can serve it), no connector, no events, the
-    same engine (``max_model_len`` and ``num_gpu_blocks`` pinned to the
-    original's, so the model and the cache are the same); ``max_num_batched_tokens``
-    changes only the prefill chunking."""
+def cold_trace(trace: Trace, ids: list[str], max_num_batched_tokens: int | None = None,
+               arrivals: dict[str, int] | None = None) -> Trace:
+    """``ids`` replayed cold, each under a cache salt of its own (no cached block, no
+    store key can serve it), no connector, no events, the same engine
+    (``max_model_len`` and ``num_gpu_blocks`` pinned to the original's, so the model
+    and the cache are the same). ``arrivals``: each request enters at the step it
+    entered the original replay (batched as it was); without, one after another.
+    ``max_num_batched_tokens`` changes only the prefill chunking."""
     sized = trace.sized_engine()
     settings = {k: v for k, v in sized.to_header().items() if k not in STORE_KEYS}
     settings.update(max_model_len=sized.max_model_len, num_gpu_blocks=sized.num_gpu_blocks)
@@ -119,11 +121,14 @@ def cold_trace(trace: Trace, ids: list[str], max_num_batched_tokens: int | None 
     requests = requests.take(sorted(range(requests.num_rows),
                                     key=lambda i: order[requests["id"][i].as_py()]))
     n = requests.num_rows
-    after = [None] + [requests["id"][i - 1].as_py() for i in range(1, n)]
-    salts = [f"{SALT}:{requests['id'][i].as_py()}" for i in range(n)]
-    columns = {"arrival_step": pa.array([0] + [None] * (n - 1), pa.int64()),
+    rids = [requests["id"][i].as_py() for i in range(n)]
+    if arrivals is None:
+        steps, after = [0] + [None] * (n - 1), [None] + rids[:-1]
+    else:
+        steps, after = [arrivals[r] for r in rids], [None] * n
+    columns = {"arrival_step": pa.array(steps, pa.int64()),
                "after": pa.array(after, pa.string()),
-               "cache_salt": pa.array(salts, pa.string())}
+               "cache_salt": pa.array([f"{SALT}:{r}" for r in rids], pa.string())}
     for name, values in columns.items():
         if name in requests.column_names:
             requests = requests.set_column(requests.column_names.index(name), name, values)
@@ -142,17 +147,18 @@ def _max_diff(a: list[float], b: list[float]) -> tuple[float, int | None, list[f
     return (max(diffs) if diffs else 0.0), None, diffs
 
 
-def calibrate(trace: Trace, ids: list[str], replay: Callable[[Trace], ReplayResult]
+def calibrate(trace: Trace, ids: list[str], replay: Callable[[Trace], ReplayResult],
+              arrivals: dict[str, int] | None = None
               ) -> tuple[ReplayResult, float, tuple[int, int]]:
     """The cold recompute of ``ids`` at the trace's chunking and at half of it, and
     the largest logprob difference between the two (the tolerance)."""
     chunk = trace.sized_engine().max_num_batched_tokens or 2048
     block = max(g.block_size for g in trace.engine.kv_groups)
-    other = max(block, (chunk // 3) // block * block)
+    other = max(block, (chunk // 2) // block * block)
     if other == chunk:
         other = chunk + block
-    cold = replay(cold_trace(trace, ids, chunk))
-    rechunked = replay(cold_trace(trace, ids, other))
+    cold = replay(cold_trace(trace, ids, chunk, arrivals))
+    rechunked = replay(cold_trace(trace, ids, other, arrivals))
     a, b = cold.by_id(), rechunked.by_id()
     tolerance = 0.0
     for rid in ids:
@@ -176,7 +182,8 @@ def recompute_check(trace: Trace, result: ReplayResult,
     ids = hit_requests(result)
     if not ids:
         return RecomputeReport(0.0, (0, 0), [])
-    cold, tolerance, chunks = calibrate(trace, ids, replay)
+    arrivals = {r.id: r.arrival_step for r in result.requests}
+    cold, tolerance, chunks = calibrate(trace, ids, replay, arrivals)
     served, recomputed = result.by_id(), cold.by_id()
     largest = max((abs(x) for rid in ids for x in recomputed[rid].logprobs or []), default=1.0)
     threshold = threshold_for(tolerance, largest)
