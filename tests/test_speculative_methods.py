@@ -60,3 +60,40 @@ def test_mtp_modules_is_checked():
         EngineBlock.from_dict("s.yaml", {"speculative": {"method": "eagle", "mtp_modules": 2}})
     with pytest.raises(TraceError, match="speculative.mtp_modules must be an integer >= 1"):
         EngineBlock.from_dict("s.yaml", {"speculative": {"method": "mtp", "mtp_modules": 0}})
+
+
+def test_dspark_reserves_eight_lookahead_slots_and_drops_nothing(tmp_path):
+    """vLLM 0.33, DSpark with 8 draft tokens: no EAGLE drop (x_again hits every
+    whole block), and 8 lookahead slots (7 blocks a prefill, so y leaves x its
+    first block). DFlash with 8 tokens reserves 9 (8 blocks): x_third misses;
+    lookahead hashes off changes nothing for DSpark (it has no drop to clear)."""
+    source = SCENARIOS / "dspark_lookahead.yaml"
+    dspark = replay(load_target(source))
+    assert dspark.kv_groups == [{"group": 0, "kind": "full_attention", "eagle_drop": False}]
+    assert hits(dspark) == {"x": 0, "x_again": 96, "y": 0, "x_third": 16}
+
+    text = source.read_text()
+    engine = "speculative: {method: dspark, num_speculative_tokens: 8}"
+    assert engine in text
+    variants = {"dflash": "speculative: {method: dflash, num_speculative_tokens: 8}",
+                "no_hashes": "speculative: {method: dspark, num_speculative_tokens: 8, "
+                             "disable_lookahead_block_hashes: true}"}
+    got = {}
+    for name, line in variants.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text.replace(engine, line))
+        got[name] = hits(replay(load_target(path)))
+    assert got["dflash"] == {"x": 0, "x_again": 96, "y": 0, "x_third": 0}
+    assert got["no_hashes"] == hits(dspark)
+
+
+def test_dspark_draft_is_the_tiny_qwen3_dspark_config():
+    from replayer.replay.engines.engine_config import draft_model
+
+    block = EngineBlock.from_dict("s.yaml", {"speculative": {"method": "dspark",
+                                                            "num_speculative_tokens": 8}})
+    assert block.speculative.method == "dspark"
+    assert draft_model("dspark").name == "tiny-dspark"
+    assert draft_model("dspark", wide=True).name == "tiny-dspark-tp8"
+    with pytest.raises(TraceError, match="mtp_modules only applies to method mtp"):
+        EngineBlock.from_dict("s.yaml", {"speculative": {"method": "dspark", "mtp_modules": 2}})

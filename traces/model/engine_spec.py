@@ -37,7 +37,7 @@ CONNECTORS = ("mooncake_store",)
 CONNECTOR_CONFIG_KEYS = ("load_async", "lookup_async", "save_decode_cache", "enable_lookup",
                          "cache_prefix", "enable_group_semantics")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "dflash")
+SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 # "all" (cache every block's state) is 0.29-0.31's; 0.32 removed it.
 MAMBA_CACHE_MODES = ("align", "none", "all")
 # The bundled model configs vLLM reads as the target (replayer/models): the tiny
@@ -78,7 +78,7 @@ class KvGroup:
 class Speculative:
     """Speculative decoding (EAGLE/MTP): vLLM's SpeculativeConfig, the draft is the trace."""
 
-    method: str = field(metadata=_doc("eagle | eagle3 | mtp | dflash", str))
+    method: str = field(metadata=_doc("eagle | eagle3 | mtp | dflash | dspark", str))
     num_speculative_tokens: int = field(default=1, metadata=_doc("draft tokens per step", int))
     disable_lookahead_block_hashes: bool = field(default=False, metadata=_doc(
         "0.33's flag: no lookahead block hashes, so the EAGLE drop applies", bool))

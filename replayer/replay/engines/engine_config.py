@@ -49,12 +49,19 @@ MTP_DRAFT_MODEL = MODELS / "tiny-mtp"
 # A DFlash draft (Qwen3 architecture, vLLM's DFlashDraftModel) reading the
 # target's layer 0 hidden states (dflash_config.target_layer_ids).
 DFLASH_DRAFT_MODEL = MODELS / "tiny-dflash"
+# A DSpark draft (vLLM's Qwen3DSparkModel: the DFlash Qwen3 backbone plus a
+# Markov head), block of 8 as in Kimi-K3's recipe. vLLM 0.33 checks a Qwen3
+# DSpark draft against its target only when that target is Qwen3-Omni
+# (config/speculative.py _validate_qwen3_omni_dspark), so the tiny Llama
+# target serves, as it does for DFlash.
+DSPARK_DRAFT_MODEL = MODELS / "tiny-dspark"
 
 
 def draft_model(method: str, wide: bool = False) -> Path:
     """The draft config vLLM reads for ``method`` (it detects MTP from the config);
     ``wide``: its 8-head twin, beside :data:`WIDE_TARGET_MODEL`."""
-    path = {"mtp": MTP_DRAFT_MODEL, "dflash": DFLASH_DRAFT_MODEL}.get(method, DRAFT_MODEL)
+    path = {"mtp": MTP_DRAFT_MODEL, "dflash": DFLASH_DRAFT_MODEL,
+            "dspark": DSPARK_DRAFT_MODEL}.get(method, DRAFT_MODEL)
     return path.with_name(path.name + "-tp8") if wide else path
 
 

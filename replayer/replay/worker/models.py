@@ -125,8 +125,9 @@ def check_geometry(engine: EngineBlock, label: str) -> None:
     spec = engine.speculative
     if spec is not None and spec.method != "eagle":
         raise _refuse(label, f"speculative method {spec.method} (only EAGLE has a tiny draft "
-                             "for these targets: MTP and DFlash drafts are layers of the "
-                             "target's own architecture)")
+                             "for these targets: MTP, DFlash and DSpark drafts are layers of "
+                             "the target's own architecture, and DSpark runs only on vLLM's "
+                             "V2 model runner)")
     if spec is not None and spec.draft_group is not None:
         raise _refuse(label, "speculative.draft_group (a real draft's layer joins the group "
                              "of its own spec)")
