@@ -70,7 +70,10 @@ def test_dspark_reserves_eight_lookahead_slots_and_drops_nothing(tmp_path):
     source = SCENARIOS / "dspark_lookahead.yaml"
     dspark = replay(load_target(source))
     assert dspark.kv_groups == [{"group": 0, "kind": "full_attention", "eagle_drop": False}]
-    assert hits(dspark) == {"x": 0, "x_again": 96, "y": 0, "x_third": 16}
+    assert hits(dspark) == {"x": 0, "x_again": 96, "y": 0, "x_third": 16, "x_decode": 96}
+    # 10 output tokens: one at the prefill, nine (8 accepted drafts) in one decode step.
+    decode = next(r for r in dspark.requests if r.id == "x_decode")
+    assert decode.finish_step == decode.prefill_step + 1
 
     text = source.read_text()
     engine = "speculative: {method: dspark, num_speculative_tokens: 8}"
@@ -83,7 +86,7 @@ def test_dspark_reserves_eight_lookahead_slots_and_drops_nothing(tmp_path):
         path = tmp_path / f"{name}.yaml"
         path.write_text(text.replace(engine, line))
         got[name] = hits(replay(load_target(path)))
-    assert got["dflash"] == {"x": 0, "x_again": 96, "y": 0, "x_third": 0}
+    assert got["dflash"] == {"x": 0, "x_again": 96, "y": 0, "x_third": 0, "x_decode": 96}
     assert got["no_hashes"] == hits(dspark)
 
 
