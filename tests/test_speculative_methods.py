@@ -100,3 +100,20 @@ def test_dspark_draft_is_the_tiny_qwen3_dspark_config():
     assert draft_model("dspark", wide=True).name == "tiny-dspark-tp8"
     with pytest.raises(TraceError, match="mtp_modules only applies to method mtp"):
         EngineBlock.from_dict("s.yaml", {"speculative": {"method": "dspark", "mtp_modules": 2}})
+
+
+def test_a_draft_path_naming_another_method_is_refused_not_replayed_wrong(tmp_path, monkeypatch):
+    """vLLM reads an MTP draft's method from words in its path first: under a
+    folder named dspark the tiny MTP draft would replay as DSpark (no drop)."""
+    import shutil
+
+    from replayer.replay.engines import EngineError, engine_config
+    from replayer.replay.engines.vllm_0_33 import build_vllm_config
+
+    draft = tmp_path / "dspark-checkout" / "tiny-mtp"
+    shutil.copytree(engine_config.MTP_DRAFT_MODEL, draft)
+    monkeypatch.setattr(engine_config, "MTP_DRAFT_MODEL", draft)
+    engine = load_target(SCENARIOS / "mtp_multi_module_drop.yaml").engine.sized_for(120)
+    with pytest.raises(EngineError, match=r"method mtp: cannot build this engine here: vLLM "
+                                          r"took the draft .*tiny-mtp for method dspark"):
+        build_vllm_config(engine)

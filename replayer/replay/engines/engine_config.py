@@ -181,6 +181,8 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
             num_speculative_tokens=spec.num_speculative_tokens,
             target_model_config=model, target_parallel_config=parallel,
             **(speculative_args or {}))
+        if speculative.method != spec.method:
+            raise _method_taken_from_path(spec.method, speculative.method, draft)
     if kv_transfer is not None:
         extra["kv_transfer_config"] = kv_transfer
     if kv_events:
@@ -196,6 +198,22 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     # hybrid KV-cache manager off; production GPUs keep it on.
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     return config
+
+
+def _method_taken_from_path(asked: str, took: str, draft: Any) -> Exception:
+    """vLLM infers an MTP draft's method from words in the draft's path before its
+    model type (config/speculative.py, "Automatically detect the method"), so a
+    checkout under a folder named e.g. ``dspark`` turns the tiny MTP draft into a
+    DSpark one and changes every hit: refused rather than replayed wrong."""
+    from replayer.replay.engines.base import EngineError
+    from replayer.replay.engines.config_errors import BUILD_FAILED
+
+    words = [w for w in ("eagle-", "eagle3", "dflash", "dspark") if w in str(draft).lower()]
+    return EngineError(f"engine.speculative.method {asked}: {BUILD_FAILED} here: vLLM took "
+                       f"the draft {draft} for "
+                       f"method {took}, from {', '.join(map(repr, words)) or 'its path'} in "
+                       "that path; install the replayer where its path holds none of "
+                       "'eagle-', 'eagle3', 'dflash', 'dspark'")
 
 
 def plan_layers(engine: EngineBlock, dtype_bytes: int) -> list[LayerPlan]:
