@@ -40,7 +40,7 @@ def fixture_paths() -> list[Path]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("fixtures", nargs="*", type=Path)
+    ap.add_argument("fixtures", nargs="*", type=lambda s: Path(s).resolve())
     ap.add_argument("--engine", default=str(ROOT / ".venv-serve"))
     args = ap.parse_args()
     paths = args.fixtures or fixture_paths()

@@ -118,17 +118,21 @@ def with_segment(spec: StoreSpec, engine: EngineBlock) -> StoreSpec:
 class StoreConnectorEngine(CoreEngine):
     """The shared driver, plus the MooncakeStore connector when the trace has one.
 
-    ``config`` must name :class:`StoreAwareExecutor` as its executor backend."""
+    ``config`` must name ``executor_cls`` as its executor backend:
+    :class:`StoreAwareExecutor`, or on the model worker
+    :class:`replayer.replay.worker.store.StoreModelExecutor` (vLLM's own worker
+    creates and steps the connector there)."""
 
     def __init__(self, config: Any, layer_specs: dict[str, Any], version: str,
-                 engine: EngineBlock, store: StoreSpec | None = None) -> None:
+                 engine: EngineBlock, store: StoreSpec | None = None,
+                 executor_cls: type[NullExecutor] = StoreAwareExecutor) -> None:
         self.session: StoreSession | None = None
         # Block hash (hex) -> (token boundary, first request): names store keys.
         self.boundaries: dict[str, tuple[int, str]] = {}
         if engine.connector:
             self.session = StoreSession(with_segment(store or StoreSpec("memory"), engine))
         try:
-            super().__init__(config, layer_specs, version, executor_cls=StoreAwareExecutor)
+            super().__init__(config, layer_specs, version, executor_cls=executor_cls)
         except BaseException:
             if self.session is not None:
                 self.session.close()

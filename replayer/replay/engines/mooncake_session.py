@@ -164,7 +164,7 @@ class StoreSession:
         log = self.tmp / "mooncake-client.log"
         for rank in range(tp):
             try:
-                with self._store_module(), start_up_log(log), \
+                with self.store_module(), start_up_log(log), \
                         as_rank(vllm_config, rank, tp, dcp):
                     if rank == 0:
                         ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
@@ -184,14 +184,14 @@ class StoreSession:
             connector.register_kv_caches(one.kv_caches)
             self.ranks.append(one)
             self._wrap_for_fixed_order(one)
-            self._name_loaders(one)
+            self.name_loaders(one)
         if tp > 1:
             from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
             self._aggregator = KVOutputAggregator.from_connector(self.ranks[0].connector, tp)
 
     @contextmanager
-    def _store_module(self):
+    def store_module(self):
         """For ``--store memory``: the worker imports our store as mooncake.store."""
         if self.spec.kind != "memory":
             yield
@@ -230,7 +230,7 @@ class StoreSession:
         one.connector.wait_for_save = drained_wait_for_save
 
     @staticmethod
-    def _name_loaders(one: WorkerRank) -> None:
+    def name_loaders(one: WorkerRank) -> None:
         """Each receive thread tells the recorder whose load it runs, so every get
         is filed under the request that fetched it (``expect_store.gets``)."""
         recorder = one.recorder

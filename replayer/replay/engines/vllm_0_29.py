@@ -199,13 +199,19 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
 
         worker_args = model_args(engine, f"vllm {version}")
         executor = ModelExecutor
+        if engine.connector:
+            # The connector vLLM's worker creates, with the store seams around it.
+            from replayer.replay.worker.store import StoreModelExecutor
+
+            executor = StoreModelExecutor
     config = build_vllm_config(engine, version, executor, kv_events, worker=worker_args)
     if recorder is not None:                # the caller's hooks (see replay.engines.open_engine)
         recorder(config, version, bool(engine.connector))
     if engine.connector:
         store_engine = store_adapter(version, engine.connector,
                                      f"vllm {version}").StoreConnectorEngine
-        core: CoreEngine = store_engine(config, layer_specs(engine), version, engine, store)
+        core: CoreEngine = store_engine(config, layer_specs(engine), version, engine, store,
+                                        executor_cls=executor)
     else:
         core = CoreEngine(config, layer_specs(engine), version, executor_cls=executor)
     if worker_args is not None:

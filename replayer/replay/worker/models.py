@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,9 +96,6 @@ def check_geometry(engine: EngineBlock, label: str) -> None:
     if engine.model == "kimi-k3" or engine.kda_prefill_backend is not None:
         raise _refuse(label, "Kimi-K3's shape (engine.model, engine.kda_prefill_backend): "
                              "no tiny model here has KDA layers or FlashKDA's checkpoints")
-    if engine.connector:
-        raise _refuse(label, f"engine.connector {engine.connector}: the MooncakeStore "
-                             "connector's worker side is not yet run over the model's tensors")
     if engine.tensor_parallel_size != 1 or engine.decode_context_parallel_size != 1:
         raise _refuse(label, f"tensor_parallel_size {engine.tensor_parallel_size} / "
                              f"decode_context_parallel_size "
@@ -201,31 +199,41 @@ def draft_config(target: dict[str, Any]) -> dict[str, Any]:
             "torch_dtype": target["torch_dtype"], "tie_word_embeddings": False}
 
 
-def _write_once(root: Path, config: dict[str, Any]) -> Path:
-    """``config`` in ``root/<digest>/config.json``, written atomically once."""
+def _write_once(root: Path, config: dict[str, Any], name: str | None = None) -> Path:
+    """``config`` in ``root/<digest>/config.json`` (``root/<digest>/<name>/`` when
+    named), written atomically once."""
     text = json.dumps(config, indent=1, sort_keys=True) + "\n"
-    path = root / hashlib.sha256(text.encode()).hexdigest()[:16]
-    if (path / "config.json").exists():
-        return path
+    path = root / hashlib.sha256((text + (name or "")).encode()).hexdigest()[:16]
+    model = path / name if name else path
+    if (model / "config.json").exists():
+        return model
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
-    (tmp / "config.json").write_text(text)
+    inside = tmp / name if name else tmp
+    inside.mkdir(exist_ok=True)
+    (inside / "config.json").write_text(text)
     try:
         os.rename(tmp, path)
     except OSError:                          # another process wrote the same one first
-        (tmp / "config.json").unlink()
-        tmp.rmdir()
-    return path
+        shutil.rmtree(tmp)
+    return model
 
 
 def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
-    """The model directories for ``engine`` under ``root`` (refused as check_geometry says)."""
+    """The model directories for ``engine`` under ``root`` (refused as check_geometry says).
+
+    The target's directory has the null executor's model's name: the
+    MooncakeStore connector names every key by it (``<model>@tp_rank:0@...``),
+    so both workers write the same keys."""
+    from replayer.replay.engines.engine_config import TARGET_MODEL
+
     check_geometry(engine, label)
     target, dtype = target_config(engine)
     draft = None
     if engine.speculative is not None:
         draft = _write_once(root, draft_config(target))
-    return WorkerModels(_write_once(root, target), draft, dtype, target["architectures"][0])
+    return WorkerModels(_write_once(root, target, TARGET_MODEL.name), draft, dtype,
+                        target["architectures"][0])
 
 
 def check_groups(engine: EngineBlock, made: list[tuple[str, int]], label: str) -> None:
