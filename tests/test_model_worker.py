@@ -12,14 +12,17 @@ them. One engine process per worker serves every replay of the module (the
 * the weights seam: two prompts that differ in their first token give
   logprobs far apart, the same prompt twice gives the same bytes, and vLLM's
   own dummy weights cannot tell the two prompts apart;
-* refusals: one line, exit 2, before anything runs.
+* refusals: one line, exit 2, before anything runs;
+* the store: vLLM's own connector over the runner's KV tensors, with store
+  faults, and every get compared by content with its put (a planted fault
+  that changes the loaded bytes fails the replay).
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from conftest import FIXTURES, cli_here
+from conftest import FIXTURES, REPO, cli_here
 from helpers_traces import assert_bad_input, make_trace_dir, replace_column, rewrite_requests
 
 from replayer.compare.workers import worker_differences
@@ -76,6 +79,11 @@ def test_model_worker_agrees_with_the_null_executor(workers, path):
             assert r.logprobs is not None and len(r.logprobs) >= 1, r.id
             assert all(lp <= 0.0 for lp in r.logprobs)
     assert all(r.logprobs is None for r in null.requests)
+    if model.store is not None:
+        # Every get that loaded a key into the runner's KV tensors was compared by
+        # content with the bytes the runner wrote when it was put.
+        gets = [r for r in model.store["rows"] if r["op"] == "get" and r["result"] >= 0]
+        assert model.store["gets_checked"] == len(gets)
 
 
 @pytest.mark.parametrize("path", REFUSED, ids=_id)
@@ -160,3 +168,57 @@ def test_a_kv_cache_larger_than_memory_is_refused(workers):
                     ["engine.num_gpu_blocks=50000000"])
     with pytest.raises(EngineError, match="engine.num_gpu_blocks: 50000000 blocks"):
         workers["model"](big)
+
+
+# Small enough to cost seconds on the warm model worker: a resend served from
+# the store, a put that fails (b_again's hit stops at the missing key), a get
+# that fails (c_again's load fails, and with it the request: vLLM's default).
+STORE_FAULTS = """
+engine:
+  block_size: 32
+  kv_groups: [{kind: full_attention}]
+  max_num_batched_tokens: 2048
+  max_num_seqs: 8
+  num_gpu_blocks: 64
+  connector: mooncake_store
+requests:
+  - {id: a, prompt: [{stream: a, len: 300}], output_len: 2}
+  - {id: a_again, after: a, prompt: [{stream: a, len: 300}], output_len: 2}
+  - {id: b, after: a_again, prompt: [{stream: b, len: 300}], output_len: 2}
+  - {id: b_again, after: b, prompt: [{stream: b, len: 300}], output_len: 2}
+  - {id: c, after: b_again, prompt: [{stream: c, len: 300}], output_len: 2}
+  - {id: c_again, after: c, prompt: [{stream: c, len: 300}], output_len: 2}
+events:
+  - {after: a, action: reset_prefix_cache}
+  - {after: a_again, action: store_fault, op: put, code: RPC_FAIL, keys: [{request: b, boundary: 128}]}
+  - {after: b, action: reset_prefix_cache}
+  - {after: b_again, action: store_fault, op: get, code: RPC_FAIL, keys: [{request: c, boundary: 64}]}
+  - {after: c, action: reset_prefix_cache}
+"""
+
+
+def test_store_faults_act_on_the_model_workers_connector(workers, tmp_path):
+    trace = read_trace(make_trace_dir(tmp_path, "store_faults", STORE_FAULTS))
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert worker_differences(null, model) == []
+    hits = {r.id: r.num_cached_tokens for r in model.requests}
+    assert hits == {"a": 0, "a_again": 288, "b": 0, "b_again": 96, "c": 0, "c_again": None}
+    failed = [(r["op"], r["request"], r["boundary"], r["result"])
+              for r in model.store["rows"] if r["result"] is not None and r["result"] < 0]
+    assert failed == [("put", "b", 128, -900), ("get", "c", 64, -900)]
+    assert [f["fired"] for f in model.store["faults"]] == [1, 1]
+    assert model.store["gets_checked"] > 0
+
+
+def test_a_get_that_loads_other_bytes_than_its_put_fails_the_replay(serve_venv, tmp_path):
+    trace = read_trace(make_trace_dir(tmp_path, "store_faults", STORE_FAULTS))
+    plant = str(REPO / "tests" / "faults" / "store_get_changes_a_byte.py")
+    damaged = cold_client(resolve(parse_spec(str(serve_venv), "model")), own_process=True,
+                          env_defaults={"PREFIX_REPLAYER_PLANT": plant})
+    try:
+        with pytest.raises(Exception, match=r"store memory: get of tiny-llama@\S+@group:0@"
+                                            r"[0-9a-f]+ read back bytes that differ from "
+                                            r"the put at step 2 \(and 8 more\)"):
+            damaged(trace)
+    finally:
+        damaged.close()

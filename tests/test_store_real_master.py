@@ -14,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import STORE_SCENARIOS, cli
+from conftest import FIXTURES, STORE_SCENARIOS, cli
 from replayer.check.goldens import observed
+from replayer.compare.workers import worker_differences
+from replayer.replay.engines.specs import parse_spec, resolve
+from replayer.replay.execution.clients import cold_client
 from replayer.replay.execution.clients import replay_on as replay
 from replayer.replay.store import StoreSpec
 from replayer.replay.store.master import MasterProcess
@@ -245,3 +248,25 @@ def test_json_is_identical_across_backends_but_for_the_backend(tmp_path):
     assert turn2["num_external_cached_tokens"] == 24448
     lookups = outs["memory"]["store"]["lookups"]
     assert lookups[-1] == {"request": "turn2", "num_tokens": 50000, "hit_length": 24448}
+
+
+@pytest.mark.model_worker
+def test_the_model_worker_stores_on_a_real_master_as_on_the_memory_store(master, serve_venv):
+    # vLLM's own worker and runner (.venv-serve) put the bytes its model wrote and
+    # load them back into its KV tensors, through the real Mooncake client. With
+    # EAGLE: the deferred save of a speculative step (replayer/replay/worker/store.py).
+    trace = load_target(FIXTURES / "traces" / "live_store_eagle")
+    model = cold_client(resolve(parse_spec(str(serve_venv), "model")), own_process=True)
+    held: set[str] = set()
+    try:
+        on_memory = model(trace, store=StoreSpec("memory"))
+        on_master = model(trace, store=StoreSpec("mooncake", host=master.host,
+                                                 port=master.port),
+                          progress=lambda p: held.update(master.all_keys()))
+    finally:
+        model.close()
+    assert on_master.store["backend"] == "mooncake" and on_master.engine.worker == "model"
+    assert worker_differences(on_memory, on_master) == []
+    assert set(on_master.as_dict()["store"]["puts"]) <= held
+    gets = [r for r in on_master.store["rows"] if r["op"] == "get" and r["result"] > 0]
+    assert gets and on_master.store["gets_checked"] == len(gets)

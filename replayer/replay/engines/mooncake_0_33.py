@@ -217,6 +217,7 @@ class StoreConnectorEngine(CoreEngine):
                     else ""))
         return {"backend": self.session.spec.kind, "rows": list(ops.rows),
                 "lookups": list(ops.lookups), "faults": faults,
+                "gets_checked": ops.gets_checked,
                 "seconds": sum(r.recorder.seconds for r in self.session.ranks)}
 
     def close(self) -> None:

@@ -81,6 +81,9 @@ class StoreOps:
     lookups: list[dict[str, Any]] = field(default_factory=list)
     # key -> CRC of the value first put (any rank): what a get must read back
     put_crc: dict[str, int] = field(default_factory=dict)
+    # Successful gets whose bytes, once in the worker's KV buffers, were compared
+    # with that CRC (the witness that the comparison ran).
+    gets_checked: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     faults: list[Fault] = field(default_factory=list)
     # The first put a full pool refused (step, rank, key), and how many it refused.
@@ -218,8 +221,12 @@ class RecordingStore:
             if r < 0 and r != OBJECT_NOT_FOUND:
                 if i not in injected:
                     self._fail(f"get of {k} returned {code_name(int(r))}")
-            elif r >= 0 and k in self._put_crc and _crc(a, s) != self._put_crc[k]:
-                self._fail(f"get of {k} read back bytes that differ from the put")
+            elif r >= 0 and k in self._put_crc:
+                if _crc(a, s) != self._put_crc[k]:
+                    self._fail(f"get of {k} read back bytes that differ from the put")
+                else:
+                    with self._lock:
+                        self.ops.gets_checked += 1
         return res
 
     def remove(self, key: str, force: bool = False) -> int:
