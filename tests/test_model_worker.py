@@ -64,7 +64,9 @@ def test_the_model_worker_runs_most_hybrid_and_live_fixtures():
     names = {_id(p) for p in RUNNABLE}
     # The seed geometry (#51295), a sliding window, and the recordings of real servers.
     assert {"scenarios/vllm51295_turn1_24577.yaml", "scenarios/sliding_window.yaml",
-            "traces/live_qwen3_next", "traces/live_eagle"} <= names
+            "traces/live_qwen3_next", "traces/live_eagle",
+            # ... and the MooncakeStore connector at TP 1.
+            "store/resend_after_reset.yaml", "traces/live_store_qwen3_next"} <= names
 
 
 @pytest.mark.parametrize("path", RUNNABLE, ids=_id)
