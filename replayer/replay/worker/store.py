@@ -63,41 +63,47 @@ class StoreModelExecutor(ModelExecutor):
             torch.cuda.Event = NoopCudaEvent  # type: ignore[assignment,misc]
         log = session.tmp / "mooncake-client.log"
         try:
-            with start_up_log(log), recording_client(session, self.adapter.boundaries.get):
+            with start_up_log(log), \
+                    recording_client(session, self.adapter.boundaries.get) as made:
                 super().initialize_from_config(kv_cache_configs)
         except RuntimeError as exc:
-            if session.ranks:
+            from vllm.distributed.kv_transfer.kv_transfer_state import has_kv_transfer_group
+
+            if has_kv_transfer_group():     # the connector was made: not the client's start
                 raise
             raise StoreError(f"store {session.label}: could not start the Mooncake client "
                              f"of the model worker ({exc}; client log: {log})") from None
-        adopt_connector(session, self.runner)
+        adopt_connector(session, self.runner, made)
 
 
 @contextmanager
 def recording_client(session: Any, boundary_of):
     """``mooncake.store`` as the worker imports it while creating its connector:
     the session's backend behind a recorder (the store-client seam)."""
+    made: list[RecordingStore] = []
     if session.spec.kind == "memory":
         with session.store_module():
             inner = sys.modules["mooncake.store"]
-            with _recorded(session, inner, boundary_of):
-                yield
+            with _recorded(session, inner, boundary_of, made):
+                yield made
         return
     import mooncake.store as inner  # the real client: a real master
 
-    with _recorded(session, inner, boundary_of):
-        yield
+    with _recorded(session, inner, boundary_of, made):
+        yield made
 
 
 @contextmanager
-def _recorded(session: Any, inner: types.ModuleType, boundary_of):
+def _recorded(session: Any, inner: types.ModuleType, boundary_of,
+              made: list[RecordingStore]):
     saved = {k: sys.modules.get(k) for k in ("mooncake", "mooncake.store")}
     pkg = types.ModuleType("mooncake")
     mod = types.ModuleType("mooncake.store")
 
     def client() -> RecordingStore:
-        return RecordingStore(inner.MooncakeDistributedStore(), session.label, rank=0,
-                              boundary_of=boundary_of, ops=session.ops)
+        made.append(RecordingStore(inner.MooncakeDistributedStore(), session.label, rank=0,
+                                   boundary_of=boundary_of, ops=session.ops))
+        return made[-1]
 
     mod.MooncakeDistributedStore = client
     mod.ReplicateConfig = inner.ReplicateConfig
@@ -113,17 +119,18 @@ def _recorded(session: Any, inner: types.ModuleType, boundary_of):
                 sys.modules[k] = v
 
 
-def adopt_connector(session: Any, runner: Any) -> None:
-    """Take the connector vLLM's worker made as the session's rank 0, and finish
-    its transfers in the step that issued them (:class:`StepOrder`)."""
+def adopt_connector(session: Any, runner: Any, made: list[RecordingStore]) -> None:
+    """Take the connector vLLM's worker made as the session's rank 0, with the
+    recorder its store client was made behind, and finish its transfers in the
+    step that issued them (:class:`StepOrder`)."""
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
+    if len(made) != 1:
+        raise StoreError(f"store {session.label}: the model worker's connector made "
+                         f"{len(made)} store clients, not one")
     connector = get_kv_transfer_group()
     worker = connector.connector_worker
-    if not isinstance(worker.store, RecordingStore):
-        raise StoreError(f"store {session.label}: the model worker's connector did not "
-                         "take the replay's store client")
-    one = WorkerRank(0, connector, worker, worker.store)
+    one = WorkerRank(0, connector, worker, made[0])
     session.ranks.append(one)
     StepOrder(one, runner).install()
     session.name_loaders(one)
