@@ -49,6 +49,19 @@ def test_capacity_evicts_oldest_first_and_records_it():
     assert [r["order"] for r in rec.ops.rows] == list(range(len(rec.ops.rows)))
 
 
+def test_a_key_put_again_after_its_eviction_is_read_back_as_put_again():
+    # The model worker's blocks hold real KV: a prefix put again from another block
+    # after its eviction may carry other bytes, and that value is what a get reads.
+    rec = RecordingStore(MemoryStore(capacity_bytes=8), "memory")
+    for key, value in (("k", 1), ("other", 2), ("more", 3), ("k", 4)):
+        a, addrs, sizes = buf([value] * 4)
+        rec.batch_put_from_multi_buffers([key], [addrs], [sizes])
+    out, oaddrs, osizes = buf([0] * 4)
+    assert rec.batch_get_into_multi_buffers(["k"], [oaddrs], [osizes]) == [4]
+    assert out.tolist() == [4] * 4
+    assert rec.take_failures() == [] and rec.ops.gets_checked == 1
+
+
 def test_recording_store_flags_bytes_that_differ_and_error_codes():
     class Liar(MemoryStore):
         def batch_get_into_multi_buffers(self, keys, addrs, sizes, *a):

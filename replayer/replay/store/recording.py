@@ -147,6 +147,9 @@ class RecordingStore:
 
     def _evicted(self, key: str, nbytes: int) -> None:
         self._row("evict", key, nbytes, 0)
+        # The value is gone: a later put of the key (from another block, whose
+        # bytes may differ) is what a get must read back.
+        self._put_crc.pop(key, None)
 
     # -- the calls vLLM's worker makes -----------------------------------
     def _call(self, fn, *args: Any) -> Any:
