@@ -96,8 +96,7 @@ def recording_client(session: Any, boundary_of):
 @contextmanager
 def _recorded(session: Any, inner: types.ModuleType, boundary_of,
               made: list[RecordingStore]):
-    saved = {k: sys.modules.get(k) for k in ("mooncake", "mooncake.store")}
-    pkg = types.ModuleType("mooncake")
+    saved = sys.modules.get("mooncake.store")
     mod = types.ModuleType("mooncake.store")
 
     def client() -> RecordingStore:
@@ -107,16 +106,15 @@ def _recorded(session: Any, inner: types.ModuleType, boundary_of,
 
     mod.MooncakeDistributedStore = client
     mod.ReplicateConfig = inner.ReplicateConfig
-    pkg.store = mod
-    sys.modules["mooncake"], sys.modules["mooncake.store"] = pkg, mod
+    # ``from mooncake.store import ...`` reads this entry; the package stays as is.
+    sys.modules["mooncake.store"] = mod
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+        if saved is None:
+            sys.modules.pop("mooncake.store", None)
+        else:
+            sys.modules["mooncake.store"] = saved
 
 
 def adopt_connector(session: Any, runner: Any, made: list[RecordingStore]) -> None:
