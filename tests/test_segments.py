@@ -128,6 +128,12 @@ def test_explain_over_segments_is_explain():
     plain = explain(trace, run=replay_on)
     seg = explain(trace, run=lambda t: replay_segments(t, host, 3, 50)[0])
     assert seg.dumps() == plain.dumps()
+    # The command line's explain --segments (in its own process, one after another).
+    proc = cli("explain", TRACES / "live_eagle", "--segments", "3", "--warm-up", "50steps",
+               "--jobs", "1", "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith(plain.dumps())
+    assert "replayer: segments: replay 1: boundaries matched: 2 of 2" in proc.stderr
 
 
 @pytest.mark.slow

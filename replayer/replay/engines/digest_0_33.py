@@ -67,6 +67,9 @@ _REQUEST_SKIP = frozenset({
     "output_token_ids", "all_token_ids",          # views of _output/_all_token_ids
     "prompt_token_ids",                           # the head of _all_token_ids
     "next_decode_eligible_step", "arrival_time"})
+_CORE_SKIP = frozenset({
+    "vllm_config", "model_executor", "structured_output_manager", "scheduler",
+    "request_block_hasher", "step_fn", "aborts_queue"})
 _MANAGER_SKIP = frozenset({"kv_cache_spec", "block_pool", "kv_cache_config",
                            "single_type_managers", "coordinator", "metrics_collector",
                            "get_computed_blocks", "empty_kv_cache_blocks",
@@ -220,6 +223,10 @@ def state_sections(engine: Any, loop: dict[str, int]) -> dict[str, list[str]]:
     out["prefix_cache"] = [f"{len(cache)} keys", *entries, *extra,
                            f"events {c.enc(pool.kv_event_queue)}",
                            f"reuse_watchers {len(pool._reuse_watchers)}"]
+
+    # The engine core around the scheduler (batch queue, pending aborts).
+    core = engine.core
+    out["engine_core"] = [c.obj(core, _CORE_SKIP), f"aborts {core.aborts_queue.qsize()}"]
 
     # The replayer's own state that carries forward.
     # Drafts accepted so far per live request (a finished one's count is never read).

@@ -59,6 +59,8 @@ class SegmentReport:
     checks: list[BoundaryCheck] = field(default_factory=list)
     wall_s: float = 0.0
     sequential_s: float = 0.0         # the exact path's own replay time, start-up once
+    # Per segment that reached its end: start-up, warm-up and own-range seconds.
+    times: dict[int, tuple[float, float, float]] = field(default_factory=dict)
 
     @property
     def matched(self) -> list[int]:
@@ -83,6 +85,9 @@ class SegmentReport:
         speed = self.sequential_s / self.wall_s if self.wall_s else 0.0
         out.append(f"{self.wall_s:.1f} s wall; the exact path's own replay time "
                    f"{self.sequential_s:.1f} s: about {speed:.1f}x a sequential replay")
+        if self.times:
+            out.append("seconds per segment (start-up + warm-up + to its end): " + ", ".join(
+                f"{k}: {a:.1f}+{b:.1f}+{c:.1f}" for k, (a, b, c) in sorted(self.times.items())))
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -125,8 +130,15 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
     def call(index: int, method: str, *args: Any):
         return host.call(index, (run, index), method, *args)
 
+    def timed(index: int, state: dict) -> None:
+        start = state["start"]
+        own = state["end"].seconds if state["end"] is not None else state.get("seconds", 0.0)
+        report.times[index] = (state["timings"]["startup_s"],
+                               0.0 if start is None else start.seconds, own)
+
     try:
         first = calls[0].result()
+        timed(0, first)
         owner = _Owner(0, 0, 0, 0, 0)
         owners = [owner]
         sequential = first["timings"]["startup_s"]
@@ -141,6 +153,7 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
             nxt = segs[b]
             try:
                 started = calls[b].result()
+                timed(b, started)
                 start: Boundary | None = started["start"]
                 note = None
             except Exception as exc:  # noqa: BLE001 - a segment that fails is replayed again
