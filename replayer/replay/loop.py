@@ -210,7 +210,6 @@ def run_targeted(engine: EngineAdapter, ev: Event, clock: int, arrived: bool | N
         raise ReplayError(f"{head}: {exc}") from None
 
 
-@fewer_gc_passes()
 def replay(trace: Trace, engine: EngineAdapter,
            progress: Callable[[Progress], None] | None = None,
            shortcuts: bool = True,
