@@ -7,6 +7,7 @@ fails; the outcomes are byte-identical to a loop under Python's own thresholds.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -93,17 +94,24 @@ def test_engine_is_built_under_the_raised_threshold(monkeypatch, python_threshol
                     ("close", python_thresholds)]
 
 
-def test_outcomes_identical_under_pythons_own_thresholds(python_thresholds):
-    """conversation_500 through vLLM: the tuned loop against the plain one
-    (``replay.__wrapped__``, the loop without the tuning), same ``--json`` bytes."""
+def test_outcomes_identical_under_pythons_own_thresholds(python_thresholds, monkeypatch):
+    """conversation_500 through vLLM: the tuned loop against the plain one (the
+    same loop with the tuning swapped for a context that does nothing), same
+    ``--json`` bytes."""
+    import replayer.replay.loop as loop_module
+
     trace = load_target(TRACES / "conversation_500")
     out = []
-    for loop in (replay.__wrapped__, replay):
+    for tuned in (False, True):
+        if not tuned:
+            monkeypatch.setattr(loop_module, "fewer_gc_passes", contextlib.nullcontext)
+        else:
+            monkeypatch.undo()
         with engine_here(trace) as adapter:
             passes = []
             gc.callbacks.append(cb := lambda phase, info: passes.append(phase))
             try:
-                out.append(dumps(loop(trace, adapter)))
+                out.append(dumps(replay(trace, adapter)))
             finally:
                 gc.callbacks.remove(cb)
         out.append(len(passes))

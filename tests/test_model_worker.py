@@ -31,6 +31,7 @@ from replayer.replay.engines.specs import parse_spec, resolve
 from replayer.replay.execution.clients import cold_client
 from replayer.replay.worker.models import refusal
 from traces import load_target, read_trace
+from traces.model.limits import MAX_GPU_BLOCKS
 from traces.scenarios.what_if import with_sets
 
 pytestmark = pytest.mark.model_worker
@@ -166,9 +167,11 @@ def test_vllm_dummy_weights_cannot_tell_the_contexts_apart(serve_venv, tmp_path)
 
 
 def test_a_kv_cache_larger_than_memory_is_refused(workers):
-    big = with_sets(load_target(FIXTURES / "scenarios" / "sliding_window.yaml"),
-                    ["engine.num_gpu_blocks=50000000"])
-    with pytest.raises(EngineError, match="engine.num_gpu_blocks: 50000000 blocks"):
+    # The most blocks a trace may name (traces.model.limits), of a hybrid model whose
+    # page holds a Mamba state: hundreds of GiB, more than any machine here has.
+    big = with_sets(load_target(FIXTURES / "scenarios" / "vllm51295_turn1_24577.yaml"),
+                    [f"engine.num_gpu_blocks={MAX_GPU_BLOCKS}"])
+    with pytest.raises(EngineError, match=f"engine.num_gpu_blocks: {MAX_GPU_BLOCKS} blocks"):
         workers["model"](big)
 
 

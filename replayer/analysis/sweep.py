@@ -66,9 +66,11 @@ def parse_grid(grids: Sequence[str]) -> tuple[list[str], list[list[str]]]:
 
 
 def run_point(target: str, sets: list[str], engine_spec: str = "installed",
-              base: Sequence[str] = (), own_process: bool = False) -> dict[str, Any]:
+              base: Sequence[str] = (), own_process: bool = False,
+              segmented: Any = None) -> dict[str, Any]:
     """Load ``target``, replay it under ``base`` then ``sets`` (the grid point) with its
-    counterfactuals: one table row."""
+    counterfactuals: one table row. ``segmented``: a :class:`Segmented` that
+    replays each of them in time segments."""
     from replayer.replay.execution.environment import quiet_vllm
     from traces import load_target
     from traces.scenarios.what_if import with_sets
@@ -80,8 +82,11 @@ def run_point(target: str, sets: list[str], engine_spec: str = "installed",
     start = time.perf_counter()
     trace = with_sets(load_target(target), [*base, *sets])
     with engine_runner(engine_spec, own_process=own_process) as run:
-        many = run.replay_many if getattr(run, "parallel", False) else None
-        ex = explain(trace, run=lambda t: run(t), run_many=many)
+        if segmented is not None:
+            ex = explain(trace, run=lambda t: segmented(t, fallback=run))
+        else:
+            many = run.replay_many if getattr(run, "parallel", False) else None
+            ex = explain(trace, run=lambda t: run(t), run_many=many)
     s = ex.summary()
     row: dict[str, Any] = {k.partition("=")[0]: k.partition("=")[2] for k in sets}
     row.update(requests=s["requests"], prompt_tokens=s["prompt_tokens"],
@@ -98,12 +103,61 @@ def _pinned_env() -> dict[str, str]:
     return {"PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED", INTERPRETER_SEED)}
 
 
+class Segmented:
+    """Each replay of every point in ``segments`` time segments, on one host kept
+    for the whole sweep (``pool``: local processes; ``ray``: actors on the
+    cluster); a trace that cannot split replays on the point's own runner.
+    ``reports`` keeps what happened at the boundaries (a segment report per
+    replay, or why it replayed in one piece)."""
+
+    def __init__(self, segments: int, warm_up: str, engine_spec: str, executor: str,
+                 workers: int | None, ray_address: str | None) -> None:
+        from replayer.replay.segments.hosts import make_host
+
+        self.segments, self.warm_up, self.engine_spec = segments, warm_up, engine_spec
+        self.host = make_host((ray_address or "local") if executor == "ray" else None,
+                              1 if executor == "serial" else workers, segments,
+                              os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1")
+        self.reports: list[Any] = []
+
+    def __call__(self, trace: Any, fallback: Any) -> Any:
+        from replayer.replay.segments import replay_segments, warm_up_steps
+        from replayer.replay.segments.worker import serial_reason
+
+        why = serial_reason(trace, self.engine_spec)
+        if why is not None:
+            self.reports.append(why)
+            return fallback(trace)
+        result, report = replay_segments(trace, self.host, self.segments,
+                                         warm_up_steps(self.warm_up, trace), self.warm_up,
+                                         spec=self.engine_spec)
+        self.reports.append(report)
+        return result
+
+    def close(self) -> None:
+        self.host.close()
+
+
 def run_sweep(target: str, points: list[list[str]], *, engine_spec: str = "installed",
               executor: str = "serial", workers: int | None = None,
-              ray_address: str | None = None, base: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Rows in grid order, whatever ran them: ``serial``, ``pool`` or ``ray``."""
+              ray_address: str | None = None, base: Sequence[str] = (),
+              segments: int = 1, warm_up: str = "2m",
+              reports: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Rows in grid order, whatever ran them: ``serial``, ``pool`` or ``ray``.
+
+    ``segments`` > 1: the points run one after another and each replay is split
+    into that many time segments on the executor (what happened at each
+    boundary is added to ``reports``)."""
     target = str(target)
     base = list(base)
+    if segments > 1:
+        seg = Segmented(segments, warm_up, engine_spec, executor, workers, ray_address)
+        try:
+            return [run_point(target, p, engine_spec, base, segmented=seg) for p in points]
+        finally:
+            seg.close()
+            if reports is not None:
+                reports.extend(seg.reports)
     if executor == "serial":
         return [run_point(target, p, engine_spec, base) for p in points]
     from replayer.replay.execution.clients import warm_server_running

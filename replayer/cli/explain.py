@@ -15,6 +15,7 @@ from replayer.cli.common import (
     set_opt,
     store_spec,
 )
+from replayer.cli.segmented import segment_opts
 
 
 def add_parser(sub) -> None:
@@ -27,10 +28,12 @@ def add_parser(sub) -> None:
     exp.add_argument("--top", type=int, default=5, help="requests listed by lost tokens (5)")
     engine_opts(exp)
     set_opt(exp)
+    segment_opts(exp)
 
 
 def run(args) -> int:
     from replayer.analysis.explain_tables import render, write_parquet_atomic
+    from replayer.cli.segmented import check_segment_opts
     from replayer.replay.engines.specs import parse_spec
     from replayer.replay.execution.clients import engine_runner
     from traces.io.atomic import write_atomic
@@ -42,8 +45,12 @@ def run(args) -> int:
     check_worker(trace, spec, args.target)
     note_skipped(trace)
     store_spec(args)                        # a bad --store is reported before any replay
+    check_segment_opts(args)
     with engine_runner(spec) as run:         # one engine process for every counterfactual
-        ex = explain_target(trace, args, run)
+        if args.segments > 1:
+            ex = explain_segmented(trace, args, spec, run)
+        else:
+            ex = explain_target(trace, args, run)
     print(render(ex, top=args.top))
     if args.parquet:
         write_parquet_atomic(args.parquet, ex.table)
@@ -53,3 +60,17 @@ def run(args) -> int:
         write_atomic(args.json, ex.dumps())
     return EXIT_OK
 
+
+
+def explain_segmented(trace, args, spec, run):
+    """explain's replays (baseline, then each counterfactual), each in time segments
+    on one host kept for them all."""
+    from replayer.analysis.explain import explain
+    from replayer.cli.common import replay_target
+    from replayer.cli.segmented import SegmentedRunner
+    from replayer.replay.segments import warm_up_steps
+
+    warm_up_steps(args.warm_up, trace)        # a bad --warm-up is named before any replay
+    count = iter(range(1, 1 << 30))
+    with SegmentedRunner(args, spec, lambda t: replay_target(t, args, run)) as segmented:
+        return explain(trace, run=lambda t: segmented(t, label=f"replay {next(count)}"))

@@ -16,6 +16,7 @@ from replayer.cli.common import (
     replay_target,
     set_opt,
 )
+from replayer.cli.segmented import segment_opts
 from traces import TraceError
 
 
@@ -30,6 +31,7 @@ def add_parser(sub) -> None:
                           "(--json then holds their summary)")
     engine_opts(run)
     set_opt(run)
+    segment_opts(run, digests=True)
 
 
 def run(args) -> int:
@@ -38,8 +40,13 @@ def run(args) -> int:
     from replayer.replay.execution.clients import engine_runner, runs_in_this_process
     from traces.io.atomic import write_atomic
 
-    spec = parse_spec(args.engine, args.worker)          # a bad spec is reported before anything runs
+    from replayer.cli.segmented import check_segment_opts
+
+    spec = parse_spec(args.engine, args.worker)    # a bad spec is reported before anything runs
     check_outputs(args)                    # and an output that cannot be written
+    check_segment_opts(args)
+    if args.segments > 1:
+        return run_segmented(args, spec)
     here = runs_in_this_process(spec)
     # Replayed in this process: its prompts are read batch by batch.
     trace = load_with_sets(args.target, args.set, stream=here)
@@ -72,3 +79,51 @@ def run(args) -> int:
         write_atomic(args.json, dumps(result))
     return EXIT_OK
 
+
+
+def run_segmented(args, spec) -> int:
+    """``run --segments K``: the same outputs, from a replay in time segments."""
+    import json
+
+    from replayer.check.output import run_table
+    from replayer.cli.common import replay_target
+    from replayer.cli.segmented import SegmentedRunner
+    from replayer.replay.execution.clients import engine_runner
+    from replayer.replay.segments import warm_up_steps
+    from traces.io.atomic import write_atomic
+
+    trace = load_with_sets(args.target, args.set)
+    note_skipped(trace)
+    if args.store_ops and not trace.engine.connector:
+        raise TraceError(args.target, "--store-ops needs a trace with engine.connector")
+    check_store_applies(args, [trace])
+    if args.kv_events:
+        trace.kv_events_wanted = True
+    warm_up_steps(args.warm_up, trace)        # a bad --warm-up is named before any replay
+
+    def whole(t):
+        with engine_runner(spec) as run:
+            return replay_target(t, args, run)
+
+    with SegmentedRunner(args, spec, whole) as segmented:
+        result = segmented(trace)
+    print(run_table(result), file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.store_ops:
+        from traces.model import schema
+        from traces.model.trace import write_table_atomic
+        write_table_atomic(args.store_ops, schema.STORE_OPS, result.store["rows"])
+    if args.kv_events:
+        from traces.model import schema
+        from traces.model.trace import write_table_atomic
+        write_table_atomic(args.kv_events, schema.KV_EVENTS, result.kv_events or [])
+    if args.json:
+        out = result.as_dict()
+        if args.segment_digests:
+            out["segments"] = (segmented.reports[0].as_dict() if segmented.reports
+                               else None)
+        text = json.dumps(out, indent=2) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+        else:
+            write_atomic(args.json, text)
+    return EXIT_OK

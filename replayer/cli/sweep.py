@@ -6,6 +6,7 @@ import json
 import sys
 
 from replayer.cli.common import ENGINE_HELP, EXIT_OK, error, load_with_sets, no_server_opt, set_opt
+from replayer.cli.segmented import segment_opts
 
 
 def add_parser(sub) -> None:
@@ -25,6 +26,7 @@ def add_parser(sub) -> None:
     sw.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
     no_server_opt(sw)
     set_opt(sw)
+    segment_opts(sw, ray=False)
 
 
 def run(args) -> int:
@@ -32,6 +34,8 @@ def run(args) -> int:
     from replayer.analysis.sweep import comparable, parse_grid, run_sweep, table_text
     from replayer.replay.engines.specs import parse_spec
     from traces.io.atomic import write_atomic
+
+    from replayer.cli.segmented import check_segment_opts
 
     parse_spec(args.engine)
     if args.jobs is not None and args.jobs < 1:
@@ -46,12 +50,24 @@ def run(args) -> int:
         executor, address = "ray", (None if args.ray == "local" else args.ray)
     else:
         executor, address = ("serial" if args.jobs == 1 else "pool"), None
+    check_segment_opts(args)
+    if args.segments > 1:
+        from replayer.replay.segments import warm_up_steps
+
+        warm_up_steps(args.warm_up, trace)    # a bad --warm-up is named before any replay
+    reports: list = []
     rows = run_sweep(args.target, points, engine_spec=args.engine, executor=executor,
-                     workers=args.jobs, ray_address=address, base=args.set)
+                     workers=args.jobs, ray_address=address, base=args.set,
+                     segments=args.segments, warm_up=args.warm_up, reports=reports)
     print(table_text(keys, rows))
     where = f"Ray ({args.ray})" if args.ray else (
         "serially" if executor == "serial" else "on a local process pool")
+    if args.segments > 1:
+        where = (f"one after another, each replay in {args.segments} time segments "
+                 + ("in this process" if executor == "serial" else where))
     print(f"\n{len(points)} point(s) of {args.target} run {where}")
+    if args.segments > 1:
+        say_segment_totals(reports, len(points))
     text = json.dumps({"grid": keys, "base": args.set, "rows": comparable(rows)},
                       indent=2) + "\n"
     if args.parquet:
@@ -64,3 +80,18 @@ def run(args) -> int:
         write_atomic(args.json, text)
     return EXIT_OK
 
+
+
+def say_segment_totals(reports: list, points: int) -> None:
+    """Boundaries matched over every segmented replay of the sweep (stderr)."""
+    for why in dict.fromkeys(r for r in reports if isinstance(r, str)):
+        print(f"replayer: note: --segments: replayed in one piece: {why}", file=sys.stderr)
+    reports = [r for r in reports if not isinstance(r, str)]
+    checks = [c for r in reports for c in r.checks]
+    matched = sum(c.matched for c in checks)
+    wall = sum(r.wall_s for r in reports)
+    own = sum(r.sequential_s for r in reports)
+    speed = f"about {own / wall:.1f}x sequential replays" if wall else "no segmented replay"
+    print(f"replayer: segments: {len(reports)} replay(s) of {points} point(s) in segments; "
+          f"boundaries matched: {matched} of {len(checks)}; {wall:.1f} s wall, the exact "
+          f"paths' own replay time {own:.1f} s: {speed}", file=sys.stderr)

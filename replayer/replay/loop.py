@@ -33,6 +33,8 @@ MAX_IDLE_STEPS = 1000
 # request needs more steps than it has tokens, so past twice the live requests'
 # tokens (and at least this many steps) the replay stops with an error.
 MIN_STUCK_STEPS = 10_000
+# A pause or stop that never comes.
+NEVER = 1 << 62
 
 
 class ReplayError(RuntimeError):
@@ -208,7 +210,6 @@ def run_targeted(engine: EngineAdapter, ev: Event, clock: int, arrived: bool | N
         raise ReplayError(f"{head}: {exc}") from None
 
 
-@fewer_gc_passes()
 def replay(trace: Trace, engine: EngineAdapter,
            progress: Callable[[Progress], None] | None = None,
            shortcuts: bool = True,
@@ -224,170 +225,243 @@ def replay(trace: Trace, engine: EngineAdapter,
     every earlier arrival have finished, and the result keeps none of them (only
     their totals, for the summary): memory then follows the live requests, not
     the trace length."""
-    t_start = time.perf_counter()
-    refuse_unsupported(trace)
-    rows = request_rows(trace.requests)
-    tokens = TokenSource(trace.header, trace.requests, trace.request_lists)
-    n_spec = trace.engine.num_speculative_tokens
-    accepted = recorded_accepted(trace)
-    if accepted:
-        engine.hold_accepted(accepted)
-    events = trace.events.to_pylist() if trace.events is not None else []
-    schedule = Schedule(rows.arrival_step, rows.after, events)
-    n = len(rows.ids)
-    # Rows of the requests events name (abort and evict targets), found once.
-    targets = {ev.get("target") for ev in events} - {None}
-    target_row = {rid: i for i, rid in enumerate(rows.ids) if rid in targets} if targets else {}
-    evicted = {ev["target"] for ev in events if ev["action"] == "evict"} - {None}
-    if evicted:
-        engine.track_blocks(evicted)
-    arrived = np.zeros(n, dtype=bool)
-    live: dict[str, int] = {}                         # arrived, not finished: id -> row
-    pending: dict[int, RequestOutcome] = {}          # arrived, not yet handed on: row -> outcome
-    order: deque[int] = deque()                       # rows of pending, in arrival order
-    kept: list[RequestOutcome] = []
-    totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}   # of handed-on outcomes
-    finished_engine_step: dict[str, int] = {}
-    clock = steps_run = idle = done = prompt_done = cached_done = 0
-    since_progress = 0
+    run = ReplayRun(trace, engine, progress=progress, shortcuts=shortcuts, sink=sink)
+    run.run_to(None)
+    return run.result()
 
-    def add(i: int) -> None:
-        prompt = tokens.prompt(i)
-        blocks = tokens.prompt_blocks(i) if shortcuts else None
-        rid = rows.ids[i]
-        output_len = rows.output_len[i]
-        engine.add_request(EngineRequest(
-            id=rid, prompt_tokens=prompt.tolist(),
-            output_tokens=tokens.output(i, output_len, n_spec + 1).tolist(),
-            output_len=output_len, cache_salt=rows.cache_salt[i],
-            priority=rows.priority[i] or 0,
-            prompt_block_ids=blocks[0] if blocks else None,
-            prompt_block_tokens=blocks[1] if blocks else 0))
-        tokens.release(i)                 # a streamed trace drops the row's lists
-        arrived[i] = True
-        live[rid] = i
-        order.append(i)
-        pending[i] = RequestOutcome(id=rid, arrival_step=clock, num_prompt_tokens=len(prompt))
 
-    def hand_on() -> None:
-        """Outcomes at the front of arrival order that are complete, to the sink."""
-        while order and pending[order[0]].finish_step is not None:
-            out = pending.pop(order.popleft())
-            totals["requests"] += 1
-            totals["prompt_tokens"] += out.num_prompt_tokens
-            totals["cached_tokens"] += out.num_cached_tokens or 0
-            if sink is None:
-                kept.append(out)
-            else:
-                sink(out)
-                # Nothing reads it any more (explain keeps every outcome):
-                # memory follows the live requests.
-                finished_engine_step.pop(out.id, None)
-                engine.forget(out.id)
+class ReplayRun:
+    """One replay that can pause at points of the step clock and go on later.
 
-    def run_event(ev: Event) -> None:
-        if ev.action == "reset_prefix_cache":
-            if not engine.reset_prefix_cache():
-                raise ReplayError(f"event reset_prefix_cache ({ev.why}) failed at step {clock}: "
-                                  "running requests still hold KV blocks")
-        elif ev.action == "abort":
-            row = target_row[ev.target]
-            if not arrived[row]:
-                raise ReplayError(f"event abort ({ev.why}) at step {clock}: request "
-                                  f"{ev.target!r} has not arrived yet")
-            if ev.target in live:
-                engine.abort(ev.target)
-                del live[ev.target]
-                res = pending[row]
-                res.aborted = True
-                res.finish_step = clock
-        elif ev.action in ("evict", "store_remove", "store_fault"):
-            run_targeted(engine, ev, clock,
-                         arrived=None if ev.target is None else bool(arrived[target_row[ev.target]]))
-        else:  # validated when the trace was read
-            raise ReplayError(f"unknown event action {ev.action!r}")
+    :func:`replay` runs it to the end at once. A time segment
+    (:mod:`replayer.replay.segments`) pauses it at a boundary ``t``: at the top
+    of the first pass of the loop whose clock is at least ``t``, before that
+    point's events and arrivals, where the engine's state is everything the
+    rest of the replay depends on. It can also stop early, once the outcomes of
+    the first ``n`` arrivals are handed on (:meth:`stop_after`).
+    """
 
-    while True:
-        for ev in schedule.events_due(clock):
-            run_event(ev)
-        for i in schedule.arrivals_due(clock):
-            add(i)
-        if not engine.has_unfinished():
-            hand_on()
-            nxt = schedule.next_point()
-            if nxt is None:
+    #: Where the clock stands at a pause, with the loop's own counters.
+    clock: int = 0
+    steps_run: int = 0
+    idle: int = 0
+    since_progress: int = 0
+    handed: int = 0                    # outcomes handed on, in arrival order
+
+    def __init__(self, trace: Trace, engine: EngineAdapter,
+                 progress: Callable[[Progress], None] | None = None,
+                 shortcuts: bool = True,
+                 sink: Callable[[RequestOutcome], None] | None = None) -> None:
+        self.engine = engine
+        self._t_start = time.perf_counter()
+        self._pause_at = NEVER
+        self._stop_after = NEVER
+        self._loop = self._steps(trace, engine, progress, shortcuts, sink)
+        self._done: ReplayResult | None = None
+
+    def stop_after(self, handed: int | None) -> None:
+        """End the replay once the outcomes of the first ``handed`` arrivals are
+        handed on (None: at the end of the trace)."""
+        self._stop_after = NEVER if handed is None else handed
+
+    def run_to(self, point: int | None) -> bool:
+        """Run until the clock reaches ``point`` (True, paused there) or the replay
+        ends (False); None: to the end."""
+        if self._done is not None:
+            return False
+        self._pause_at = NEVER if point is None else point
+        with fewer_gc_passes():
+            try:
+                next(self._loop)
+            except StopIteration as end:
+                self._done = end.value
+                return False
+        return True
+
+    def result(self) -> ReplayResult:
+        """The replay's result, once it has ended."""
+        if self._done is None:
+            raise RuntimeError("the replay has not ended")
+        return self._done
+
+    def _steps(self, trace: Trace, engine: EngineAdapter,
+               progress: Callable[[Progress], None] | None, shortcuts: bool,
+               sink: Callable[[RequestOutcome], None] | None):
+        """The replay loop, as a generator that yields at each pause."""
+        t_start = self._t_start
+        refuse_unsupported(trace)
+        rows = request_rows(trace.requests)
+        tokens = TokenSource(trace.header, trace.requests, trace.request_lists)
+        n_spec = trace.engine.num_speculative_tokens
+        accepted = recorded_accepted(trace)
+        if accepted:
+            engine.hold_accepted(accepted)
+        events = trace.events.to_pylist() if trace.events is not None else []
+        schedule = Schedule(rows.arrival_step, rows.after, events)
+        n = len(rows.ids)
+        # Rows of the requests events name (abort and evict targets), found once.
+        targets = {ev.get("target") for ev in events} - {None}
+        target_row = {rid: i for i, rid in enumerate(rows.ids) if rid in targets} if targets else {}
+        evicted = {ev["target"] for ev in events if ev["action"] == "evict"} - {None}
+        if evicted:
+            engine.track_blocks(evicted)
+        arrived = np.zeros(n, dtype=bool)
+        live: dict[str, int] = {}                         # arrived, not finished: id -> row
+        pending: dict[int, RequestOutcome] = {}          # arrived, not yet handed on: row -> outcome
+        order: deque[int] = deque()                       # rows of pending, in arrival order
+        kept: list[RequestOutcome] = []
+        totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}   # of handed-on outcomes
+        finished_engine_step: dict[str, int] = {}
+        clock = steps_run = idle = done = prompt_done = cached_done = 0
+        since_progress = 0
+        stopped = False
+
+        def add(i: int) -> None:
+            prompt = tokens.prompt(i)
+            blocks = tokens.prompt_blocks(i) if shortcuts else None
+            rid = rows.ids[i]
+            output_len = rows.output_len[i]
+            engine.add_request(EngineRequest(
+                id=rid, prompt_tokens=prompt.tolist(),
+                output_tokens=tokens.output(i, output_len, n_spec + 1).tolist(),
+                output_len=output_len, cache_salt=rows.cache_salt[i],
+                priority=rows.priority[i] or 0,
+                prompt_block_ids=blocks[0] if blocks else None,
+                prompt_block_tokens=blocks[1] if blocks else 0))
+            tokens.release(i)                 # a streamed trace drops the row's lists
+            arrived[i] = True
+            live[rid] = i
+            order.append(i)
+            pending[i] = RequestOutcome(id=rid, arrival_step=clock, num_prompt_tokens=len(prompt))
+
+        def hand_on() -> None:
+            """Outcomes at the front of arrival order that are complete, to the sink."""
+            while order and pending[order[0]].finish_step is not None:
+                out = pending.pop(order.popleft())
+                totals["requests"] += 1
+                totals["prompt_tokens"] += out.num_prompt_tokens
+                totals["cached_tokens"] += out.num_cached_tokens or 0
+                if sink is None:
+                    kept.append(out)
+                else:
+                    sink(out)
+                    # Nothing reads it any more (explain keeps every outcome):
+                    # memory follows the live requests.
+                    finished_engine_step.pop(out.id, None)
+                    engine.forget(out.id)
+
+        def run_event(ev: Event) -> None:
+            if ev.action == "reset_prefix_cache":
+                if not engine.reset_prefix_cache():
+                    raise ReplayError(f"event reset_prefix_cache ({ev.why}) failed at step {clock}: "
+                                      "running requests still hold KV blocks")
+            elif ev.action == "abort":
+                row = target_row[ev.target]
+                if not arrived[row]:
+                    raise ReplayError(f"event abort ({ev.why}) at step {clock}: request "
+                                      f"{ev.target!r} has not arrived yet")
+                if ev.target in live:
+                    engine.abort(ev.target)
+                    del live[ev.target]
+                    res = pending[row]
+                    res.aborted = True
+                    res.finish_step = clock
+            elif ev.action in ("evict", "store_remove", "store_fault"):
+                run_targeted(engine, ev, clock,
+                             arrived=None if ev.target is None else bool(arrived[target_row[ev.target]]))
+            else:  # validated when the trace was read
+                raise ReplayError(f"unknown event action {ev.action!r}")
+
+        while True:
+            if clock >= self._pause_at:
+                self.clock, self.steps_run, self.idle = clock, steps_run, idle
+                self.since_progress, self.handed = since_progress, totals["requests"]
+                yield
+            if totals["requests"] >= self._stop_after:
+                stopped = True
                 break
-            clock = max(clock, nxt)
-            continue
-        res = engine.step()
-        clock += 1
-        steps_run += 1
-        idle = 0 if res.executed else idle + 1
-        if idle >= MAX_IDLE_STEPS:
-            waiting = [pending[i].id for i in order if pending[i].finish_step is None]
-            raise ReplayError(f"no progress for {MAX_IDLE_STEPS} steps at step {clock}: "
-                              f"requests {waiting[:5]} can never be scheduled "
-                              "(do they fit num_gpu_blocks and max_model_len?)")
-        since_progress = 0 if res.finished else since_progress + 1
-        if since_progress >= MIN_STUCK_STEPS and since_progress % MIN_STUCK_STEPS == 0:
-            live_tokens = sum(pending[i].num_prompt_tokens + int(rows.output_len[i])
-                              for i in live.values())
-            if since_progress > 2 * live_tokens:
-                stuck = [pending[i].id for i in live.values()]
-                raise ReplayError(f"no request finished in {since_progress} steps at step "
-                                  f"{clock}: requests {stuck[:5]} keep being preempted "
-                                  "(does num_gpu_blocks hold them side by side?)")
-        for p in res.prefills:
-            row = live.get(p.id)
-            if row is None:
-                continue
-            r = pending[row]
-            if r.num_cached_tokens is None:
-                r.num_cached_tokens = p.num_cached_tokens
-                r.num_local_cached_tokens = p.num_local_cached_tokens
-                r.num_external_cached_tokens = p.num_external_cached_tokens
-                r.prefill_step = clock - 1
-                if p.group_hits is not None:
-                    r.group_hits = list(p.group_hits)
-        for rid, values in res.logprobs.items():
-            row = live.get(rid)
-            if row is not None:
-                r = pending[row]
-                r.logprobs = (r.logprobs or []) + values
-        for rid in res.finished:
-            row = live.pop(rid, None)
-            if row is None:         # aborted by an event already
-                continue
-            r = pending[row]
-            if r.finish_step is None:
-                r.finish_step = clock - 1
-                finished_engine_step[rid] = steps_run
-            done += 1
-            prompt_done += r.num_prompt_tokens
-            cached_done += r.num_cached_tokens or 0
-            events_after, followers = schedule.after(rid)
-            for ev in events_after:
+            for ev in schedule.events_due(clock):
                 run_event(ev)
-            for j in followers:
-                add(j)
-        if res.finished:
-            hand_on()
-        if progress is not None:
-            progress(Progress(done, n, steps_run, prompt_done, cached_done))
-    tokens.close()
-    if not arrived.all():
-        unfinished = [rows.ids[int(i)] for i in np.flatnonzero(~arrived)[:5]]
-        raise ReplayError(f"requests never arrived: {unfinished} (an 'after' chain that "
-                          "never completes?)")
-    hand_on()
-    return ReplayResult(engine=engine.info, requests=kept,
-                        steps=steps_run, store=engine.store_report(),
-                        kv_events=engine.kv_event_rows(),
-                        kv_groups=engine.kv_groups(), notes=list(engine.notes),
-                        streamed=None if sink is None else totals,
-                        hit_alignment=engine.hit_alignment(), lookups=engine.lookups(),
-                        min_gpu_blocks=engine.min_gpu_blocks(),
-                        finished_engine_step=finished_engine_step,
-                        hits_are_first_prefill=engine.hits_are_first_prefill(),
-                        timings={"loop_s": time.perf_counter() - t_start,
-                                 "vllm_s": engine.vllm_seconds()})
+            for i in schedule.arrivals_due(clock):
+                add(i)
+            if not engine.has_unfinished():
+                hand_on()
+                nxt = schedule.next_point()
+                if nxt is None:
+                    break
+                clock = max(clock, nxt)
+                continue
+            res = engine.step()
+            clock += 1
+            steps_run += 1
+            idle = 0 if res.executed else idle + 1
+            if idle >= MAX_IDLE_STEPS:
+                waiting = [pending[i].id for i in order if pending[i].finish_step is None]
+                raise ReplayError(f"no progress for {MAX_IDLE_STEPS} steps at step {clock}: "
+                                  f"requests {waiting[:5]} can never be scheduled "
+                                  "(do they fit num_gpu_blocks and max_model_len?)")
+            since_progress = 0 if res.finished else since_progress + 1
+            if since_progress >= MIN_STUCK_STEPS and since_progress % MIN_STUCK_STEPS == 0:
+                live_tokens = sum(pending[i].num_prompt_tokens + int(rows.output_len[i])
+                                  for i in live.values())
+                if since_progress > 2 * live_tokens:
+                    stuck = [pending[i].id for i in live.values()]
+                    raise ReplayError(f"no request finished in {since_progress} steps at step "
+                                      f"{clock}: requests {stuck[:5]} keep being preempted "
+                                      "(does num_gpu_blocks hold them side by side?)")
+            for p in res.prefills:
+                row = live.get(p.id)
+                if row is None:
+                    continue
+                r = pending[row]
+                if r.num_cached_tokens is None:
+                    r.num_cached_tokens = p.num_cached_tokens
+                    r.num_local_cached_tokens = p.num_local_cached_tokens
+                    r.num_external_cached_tokens = p.num_external_cached_tokens
+                    r.prefill_step = clock - 1
+                    if p.group_hits is not None:
+                        r.group_hits = list(p.group_hits)
+            for rid, values in res.logprobs.items():
+                row = live.get(rid)
+                if row is not None:
+                    r = pending[row]
+                    r.logprobs = (r.logprobs or []) + values
+            for rid in res.finished:
+                row = live.pop(rid, None)
+                if row is None:         # aborted by an event already
+                    continue
+                r = pending[row]
+                if r.finish_step is None:
+                    r.finish_step = clock - 1
+                    finished_engine_step[rid] = steps_run
+                done += 1
+                prompt_done += r.num_prompt_tokens
+                cached_done += r.num_cached_tokens or 0
+                events_after, followers = schedule.after(rid)
+                for ev in events_after:
+                    run_event(ev)
+                for j in followers:
+                    add(j)
+            if res.finished:
+                hand_on()
+            if progress is not None:
+                progress(Progress(done, n, steps_run, prompt_done, cached_done))
+        tokens.close()
+        if not stopped and not arrived.all():
+            unfinished = [rows.ids[int(i)] for i in np.flatnonzero(~arrived)[:5]]
+            raise ReplayError(f"requests never arrived: {unfinished} (an 'after' chain that "
+                              "never completes?)")
+        hand_on()
+        self.clock, self.steps_run, self.idle = clock, steps_run, idle
+        self.since_progress, self.handed = since_progress, totals["requests"]
+        return ReplayResult(engine=engine.info, requests=kept,
+                            steps=steps_run, store=engine.store_report(),
+                            kv_events=engine.kv_event_rows(),
+                            kv_groups=engine.kv_groups(), notes=list(engine.notes),
+                            streamed=None if sink is None else totals,
+                            hit_alignment=engine.hit_alignment(), lookups=engine.lookups(),
+                            min_gpu_blocks=engine.min_gpu_blocks(),
+                            finished_engine_step=finished_engine_step,
+                            hits_are_first_prefill=engine.hits_are_first_prefill(),
+                            timings={"loop_s": time.perf_counter() - t_start,
+                                     "vllm_s": engine.vllm_seconds()})

@@ -10,6 +10,7 @@ process; a release or a source tree runs in a child process whose
 from __future__ import annotations
 
 import importlib
+import os
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,25 @@ def check_connector(version: str, connector: str | None, label: str) -> None:
 MAMBA_CACHE_MODE_ALL: tuple[str, ...] = ("0.29", "0.30", "0.31")
 
 
+# speculative method -> the first release that builds it on a machine without a
+# GPU: before 0.33, vLLM chooses its V1 model runner where Triton has no driver, and
+# that runner raises "Model Runner V1 does not support: dspark speculative decoding"
+# (docs/limits.md). With a GPU the release itself is left to answer.
+SPECULATIVE_METHOD_SINCE: dict[str, tuple[int, int]] = {"dspark": (0, 33)}
+
+
+def _has_gpu() -> bool:
+    return os.path.exists("/dev/nvidiactl")
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
 def _in(version: str, prefixes) -> bool:
     return any(version == p or version.startswith(p + ".") for p in prefixes)
 
@@ -88,6 +108,13 @@ def check_supported(version: str, engine: EngineBlock, label: str,
         raise UnsupportedByEngine(f"{label}: engine.mamba_cache_mode 'all' is not in vLLM "
                                   f"{version} (its CacheConfig takes align or none; 'all' "
                                   f"replays on {served})")
+    method = engine.speculative.method if engine.speculative is not None else None
+    since = SPECULATIVE_METHOD_SINCE.get(method or "")
+    release = _release(version)
+    if since is not None and release is not None and release < since and not _has_gpu():
+        raise UnsupportedByEngine(f"{label}: speculative method {method} needs vLLM "
+                                  f"{since[0]}.{since[1]} or later on a machine without a "
+                                  "GPU (this release's V1 model runner does not build it)")
 
 
 def store_adapter(version: str, connector: str, label: str) -> Any:

@@ -1,0 +1,108 @@
+"""``--segments K``: the options, and a runner that replays each trace in time segments.
+
+``run``, ``explain`` and ``sweep`` take the same options. A trace that cannot
+split (``after:`` chains, a connector, KV-cache events, targeted events, an
+engine without a state digest) replays in one piece, said in one line; the
+output is the same either way. What each segmented replay did (boundaries
+matched, segments replayed again, speed-up) goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from traces import TraceError
+
+PREFIX = "replayer: segments: "
+
+
+def segment_opts(sp: argparse.ArgumentParser, ray: bool = True, digests: bool = False) -> None:
+    from replayer.replay.segments.plan import DEFAULT_WARM_UP
+
+    g = sp.add_argument_group("time segments")
+    g.add_argument("--segments", type=int, default=1, metavar="K",
+                   help="split the trace into K time segments replayed at once, each proven "
+                        "exact at its boundary (the output is the sequential replay's)")
+    g.add_argument("--warm-up", default=DEFAULT_WARM_UP, metavar="DURATION",
+                   help="trace time each segment replays before its boundary, from an empty "
+                        f"engine: 2m, 90s, 500ms or 3000steps (default {DEFAULT_WARM_UP})")
+    if ray:
+        g.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                       help="run the segments on a Ray cluster (auto, ray://HOST:PORT; "
+                            "no ADDRESS: a Ray instance started here)")
+        g.add_argument("--jobs", type=int, default=None, metavar="N",
+                       help="local worker processes for the segments (default: the cores "
+                            "there are; 1: in this process, one after another)")
+    if digests:
+        g.add_argument("--segment-digests", action="store_true",
+                       help="put each boundary's state digests in --json")
+
+
+def check_segment_opts(args) -> None:
+    """Bad values are named before anything runs."""
+    if args.segments < 1:
+        raise TraceError("--segments", "must be at least 1")
+    if getattr(args, "jobs", None) is not None and args.jobs < 1:
+        raise TraceError("--jobs", "must be at least 1")
+
+
+def make_host(args, segments: int) -> Any:
+    from replayer.replay.segments.hosts import make_host as make
+
+    return make(getattr(args, "ray", None), getattr(args, "jobs", None), segments,
+                getattr(args, "verbose", False))
+
+
+class SegmentedRunner:
+    """Replays traces in ``args.segments`` segments on one host kept for them all
+    (its processes import vLLM once); a trace that cannot split replays through
+    ``fallback``. Each replay's report lines go to stderr."""
+
+    def __init__(self, args, spec: Any, fallback: Any) -> None:
+        self.args = args
+        self.spec = spec
+        self.fallback = fallback
+        self.host = None
+        self.reports: list[Any] = []
+        self.said: set[str] = set()
+
+    def __call__(self, trace, label: str | None = None):
+        from replayer.cli.common import say_notes
+        from replayer.replay.segments import replay_segments, warm_up_steps
+        from replayer.replay.segments.worker import serial_reason
+
+        why = serial_reason(trace, self.spec)
+        if why is not None:
+            line = f"replayer: note: --segments: replayed in one piece: {why}"
+            if line not in self.said:
+                self.said.add(line)
+                print(line, file=sys.stderr)
+            return self.fallback(trace)
+        warm = warm_up_steps(self.args.warm_up, trace)
+        if self.host is None:
+            self.host = make_host(self.args, self.args.segments)
+        result, report = replay_segments(
+            trace, self.host, self.args.segments, warm, self.args.warm_up, spec=self.spec,
+            shortcuts=not getattr(self.args, "no_shortcuts", False),
+            say=lambda msg: print(PREFIX + msg, file=sys.stderr))
+        self.reports.append(report)
+        lines = report.lines()
+        if label is not None:
+            lines = [f"{label}: {line}" for line in lines]
+        for line in lines:
+            print(PREFIX + line, file=sys.stderr)
+        say_notes(result)
+        return result
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+
+    def __enter__(self) -> "SegmentedRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,310 @@
+"""Where segment workers run: this process, a local process pool, or a Ray cluster.
+
+A host has a few slots (processes, or Ray actors), each running the calls sent
+to it one after another, in order: ``open`` a segment's worker from its part
+of the trace (shipped once), then ``begin``, ``extend``, ``finish`` or
+``close`` it. Every call returns a :class:`concurrent.futures.Future`, so the
+head waits for whichever answer it needs next, wherever it came from. A slot
+keeps its interpreter (vLLM imported once) for every replay of a command
+(``explain`` runs several), and may hold several paused segments when there
+are more segments than slots.
+
+Every slot runs under the pinned interpreter hash seed, with this checkout
+importable and vLLM quiet, as the sweep's workers do; what a slot prints goes
+to stderr, so nothing reaches a ``--json -`` on stdout.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import traceback
+from concurrent.futures import Future
+from typing import Any
+
+from replayer import SOURCE_ROOT
+from replayer.replay.execution.determinism import INTERPRETER_SEED
+
+_STOP = object()
+
+
+class Slots:
+    """The segment workers of one slot, keyed by (replay, segment): what a call does."""
+
+    def __init__(self) -> None:
+        self.workers: dict[Any, Any] = {}
+
+    def call(self, key: Any, method: str, args: tuple) -> Any:
+        if method == "open":
+            from replayer.replay.segments.worker import SegmentWorker
+
+            self.workers[key] = SegmentWorker(*args)
+            return None
+        if method == "close":
+            worker = self.workers.pop(key, None)
+            if worker is not None:
+                worker.close()
+            return None
+        worker = self.workers[key]
+        try:
+            return getattr(worker, method)(*args)
+        except BaseException:
+            self.workers.pop(key, None)
+            worker.close()
+            raise
+        finally:
+            if method == "finish":
+                self.workers.pop(key, None)
+
+    def answer(self, key: Any, method: str, args: tuple) -> tuple:
+        """The call's answer as a frame: ("ok", value) or ("error", class, message)."""
+        from replayer.replay.engines import EngineError
+        from replayer.replay.loop import ReplayError
+        from traces import TraceError
+
+        try:
+            return ("ok", self.call(key, method, args))
+        except (TraceError, EngineError, ReplayError) as exc:
+            return ("error", type(exc).__name__, str(exc))
+        except Exception:  # noqa: BLE001 - a bug: shown whole on the head's side
+            return ("crash", traceback.format_exc())
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers.clear()
+
+
+def _resolve(fut: Future, frame: tuple, where: str) -> None:
+    from replayer.replay.execution.wire import rebuild_error
+
+    if frame[0] == "ok":
+        fut.set_result(frame[1])
+    elif frame[0] == "error":
+        fut.set_exception(rebuild_error(frame[1], frame[2]))
+    else:
+        fut.set_exception(RuntimeError(f"segment worker in {where} failed:\n{frame[1]}"))
+
+
+class InProcessHost:
+    """One slot: this process, each call run as it is made."""
+
+    kind = "this process"
+
+    def __init__(self) -> None:
+        self.slots = 1
+        self._slot = Slots()
+
+    def describe(self) -> str:
+        return "in this process, one after another"
+
+    def call(self, slot: int, key: Any, method: str, *args: Any) -> Future:
+        fut: Future = Future()
+        _resolve(fut, self._slot.answer(key, method, args), "this process")
+        return fut
+
+    def close(self) -> None:
+        self._slot.close()
+
+
+def _pinned_env(verbose: bool) -> dict[str, str]:
+    from replayer.replay.execution.environment import OFFLINE_ENV, QUIET_ENV, VERBOSE_ENV
+
+    env = {**OFFLINE_ENV, "PYTHONHASHSEED": INTERPRETER_SEED}
+    env.update({VERBOSE_ENV: "1"} if verbose else QUIET_ENV)
+    return env
+
+
+def serve(conn: Any, verbose: bool) -> None:
+    """A pool process: answer calls from ``conn`` until it closes."""
+    os.dup2(2, 1)                        # nothing printed here reaches the head's stdout
+    from replayer.replay.execution.environment import quiet_vllm
+
+    quiet_vllm(verbose)
+    slot = Slots()
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except EOFError:
+                return
+            if msg is None:
+                return
+            conn.send(slot.answer(*msg))
+    finally:
+        slot.close()
+
+
+class _PoolSlot:
+    """One pool process and the thread that sends it calls and reads its answers."""
+
+    def __init__(self, ctx: Any, index: int, verbose: bool) -> None:
+        self.index = index
+        parent, child = ctx.Pipe()
+        # The child's environment is read when it starts: set, then restored.
+        env = {**_pinned_env(verbose), "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))}
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            self.process = ctx.Process(target=serve, args=(child, verbose), daemon=True,
+                                       name=f"replayer-segment-{index}")
+            self.process.start()
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        child.close()
+        self.conn = parent
+        self.calls: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._pump, daemon=True,
+                                       name=f"replayer-segment-pump-{index}")
+        self.thread.start()
+
+    def _pump(self) -> None:
+        while True:
+            item = self.calls.get()
+            if item is _STOP:
+                return
+            msg, fut = item
+            try:
+                self.conn.send(msg)
+                frame = self.conn.recv()
+            except (EOFError, OSError, BrokenPipeError):
+                code = self.process.exitcode
+                fut.set_exception(RuntimeError(
+                    f"segment process {self.index} exited (code {code}) before answering"))
+                continue
+            _resolve(fut, frame, f"process {self.index}")
+
+    def close(self) -> None:
+        self.calls.put(_STOP)
+        self.thread.join(timeout=60)
+        try:
+            self.conn.send(None)
+        except (OSError, BrokenPipeError):
+            pass
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+class PoolHost:
+    """A local process pool: ``processes`` spawned interpreters (started at once,
+    so they import vLLM while the head plans)."""
+
+    kind = "pool"
+
+    def __init__(self, processes: int, verbose: bool = False) -> None:
+        from multiprocessing import get_context
+
+        ctx = get_context("spawn")
+        self.slots = max(1, processes)
+        self._slots: list[_PoolSlot] = []
+        try:
+            for i in range(self.slots):
+                self._slots.append(_PoolSlot(ctx, i, verbose))
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> str:
+        return f"on a local process pool of {self.slots}"
+
+    def call(self, slot: int, key: Any, method: str, *args: Any) -> Future:
+        fut: Future = Future()
+        self._slots[slot % self.slots].calls.put(((key, method, args), fut))
+        return fut
+
+    def close(self) -> None:
+        for s in self._slots:
+            s.close()
+        self._slots = []
+
+
+class _RayActor:
+    """A Ray actor holding segment workers (Ray runs an actor's calls in order)."""
+
+    def __init__(self, verbose: bool) -> None:
+        from replayer.replay.execution.environment import quiet_vllm
+
+        quiet_vllm(verbose)
+        self.slot = Slots()
+
+    def answer(self, key: Any, method: str, args: tuple) -> tuple:
+        return self.slot.answer(key, method, args)
+
+    def ready(self) -> bool:
+        return True
+
+
+class RayHost:
+    """A Ray cluster (``address``: ``auto``, ``ray://HOST:PORT``; None starts one
+    here): one actor per CPU the cluster has, at most ``slots``."""
+
+    kind = "ray"
+
+    def __init__(self, address: str | None, slots: int, verbose: bool = False) -> None:
+        from traces import TraceError
+
+        try:
+            import ray
+        except ImportError:
+            raise TraceError("--ray", "Ray is not installed (pip install "
+                                      "'prefix-replayer[ray]')") from None
+        self._ray = ray
+        self.address = address
+        self._started = False
+        if not ray.is_initialized():
+            env = {**_pinned_env(verbose), "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))}
+            ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False,
+                     include_dashboard=False, logging_level="ERROR")
+            self._started = True
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        self.slots = max(1, min(slots, cpus))
+        actor = ray.remote(num_cpus=1)(_RayActor)
+        self._actors = [actor.remote(verbose) for _ in range(self.slots)]
+
+    def describe(self) -> str:
+        where = "local" if self.address is None else self.address
+        return f"on Ray ({where}) with {self.slots} worker(s)"
+
+    def call(self, slot: int, key: Any, method: str, *args: Any) -> Future:
+        ref = self._actors[slot % self.slots].answer.remote(key, method, args)
+        raw = ref.future()
+        fut: Future = Future()
+
+        def done(f: Future) -> None:
+            try:
+                _resolve(fut, f.result(), f"Ray actor {slot % self.slots}")
+            except BaseException as exc:  # noqa: BLE001 - the actor died: say so there
+                fut.set_exception(RuntimeError(f"Ray actor {slot % self.slots}: {exc}"))
+        raw.add_done_callback(done)
+        return fut
+
+    def close(self) -> None:
+        for a in self._actors:
+            try:
+                self._ray.kill(a)
+            except Exception:  # noqa: BLE001 - a dead actor is already gone
+                pass
+        self._actors = []
+        if self._started:
+            self._ray.shutdown()
+
+
+def make_host(ray: str | None, jobs: int | None, segments: int, verbose: bool = False) -> Any:
+    """Where the segments run: Ray (``ray``: an address, or ``local`` for an
+    instance started here), this process (``jobs`` 1), or a local pool of at
+    most ``jobs`` processes (default: the cores there are)."""
+    if ray:
+        return RayHost(None if ray == "local" else ray, segments, verbose)
+    if jobs == 1:
+        return InProcessHost()
+    return PoolHost(min(segments, jobs or os.cpu_count() or 1), verbose)

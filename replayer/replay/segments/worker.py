@@ -1,0 +1,214 @@
+"""One time segment's replay, in whichever process hosts it.
+
+A :class:`SegmentWorker` builds its engine from its part of the trace (the
+arrivals from its warm-up on), replays to its start boundary and takes the
+state digest there, replays on to its end boundary, takes the digest again,
+and pauses. The head then tells it to :meth:`finish` (its successor matched:
+replay on until its own arrivals have finished, hand their outcomes back) or
+to :meth:`extend` into its successor's time (the successor did not match: this
+worker's state is the true one, so it goes on to the next boundary).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from replayer.replay.segments.plan import Segment
+from traces import Trace
+from traces.model.outcome import RequestOutcome
+
+# vLLM release prefix -> the module whose ``DIGEST`` reads that release's state.
+DIGESTS = {"0.33": "replayer.replay.engines.digest_0_33"}
+
+
+def digest_module(version: str) -> str | None:
+    for prefix, module in DIGESTS.items():
+        if version == prefix or version.startswith(prefix + "."):
+            return module
+    return None
+
+
+def serial_reason(trace: Trace, spec: Any) -> str | None:
+    """Why ``trace`` on engine ``spec`` replays in one piece (one line), or None."""
+    from replayer.replay.engines.specs import resolve
+    from replayer.replay.segments.plan import why_serial
+
+    engine = resolve(spec)
+    if not engine.runs_here():
+        return f"{engine.info.label} replays in a process of its own"
+    if digest_module(engine.info.vllm) is None:
+        return f"there is no state digest for vLLM {engine.info.vllm} (segments need one)"
+    return why_serial(trace)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Where one worker stood at a boundary: its own counts and its state's digest."""
+
+    point: int                     # the boundary (an arrival step)
+    clock: int                     # the clock when the loop reached it
+    steps: int                     # engine steps this worker had run
+    lookups: int                   # prefix lookups this worker's engine had made
+    digest: dict[str, str]
+    seconds: float                 # replay seconds since the previous pause
+
+
+@dataclass
+class SegmentOutcome:
+    """What a worker hands back for the arrivals it owns."""
+
+    requests: list[RequestOutcome]
+    finished_engine_step: dict[str, int]       # own step counts
+    lookups: dict[str, tuple[int, int]] | None  # own (step, lookup number)
+    steps: int | None                          # own steps at the end (the last owner)
+    engine: Any
+    kv_groups: Any
+    hit_alignment: int | None
+    hits_are_first_prefill: bool | None
+    notes: list[str]
+    seconds: float                             # replay seconds of the finish
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def trace_part(trace: Trace, segment: Segment, sized: Any) -> Trace:
+    """The arrivals from ``segment``'s warm-up on, under the whole trace's sized
+    engine (a part must not size its engine by its own longest request).
+    Events before the warm-up, and those naming a request outside the part,
+    are left out; goldens and recorded outcomes do not travel."""
+    rq = trace.requests
+    part = rq.filter(pc.greater_equal(rq["arrival_step"], segment.warm_from)) \
+        if segment.warm_from > 0 else rq
+    ids = set(part["id"].to_pylist()) if segment.warm_from > 0 else None
+    events = trace.events
+    if events is not None and segment.warm_from > 0:
+        keep = [(e["at_step"] is not None and e["at_step"] >= segment.warm_from)
+                and (e.get("target") is None or e["target"] in ids)
+                for e in events.to_pylist()]
+        events = events.filter(pa.array(keep)) if any(keep) else None
+    steps = trace.steps
+    if steps is not None and ids is not None:
+        steps = steps.filter(pc.is_in(steps["id"], pa.array(sorted(ids), pa.string())))
+    return Trace(header={**trace.header, "engine": sized}, requests=part, events=events,
+                 steps=steps, path=trace.path)
+
+
+class SegmentWorker:
+    """One segment's engine and paused replay (built on :meth:`begin`)."""
+
+    def __init__(self, segment: Segment, trace: Trace, spec: Any = "installed",
+                 shortcuts: bool = True) -> None:
+        self.segment = segment
+        self.trace = trace
+        self.spec = spec
+        self.shortcuts = shortcuts
+        steps = trace.requests["arrival_step"].to_numpy(zero_copy_only=False)
+        self._sorted_steps = np.sort(steps.astype(np.int64), kind="stable")
+        self._stack = ExitStack()
+        self._run: Any = None
+        self._engine: Any = None
+        self._digest: Callable[..., dict[str, str]] | None = None
+        self._counters: Callable[[Any], dict[str, int]] | None = None
+        self.owned_end = segment.end
+        self._clock = time.perf_counter()
+        self.timings: dict[str, float] = {}
+
+    def _arrivals_before(self, point: int | None) -> int:
+        if point is None:
+            return len(self._sorted_steps)
+        return int(np.searchsorted(self._sorted_steps, point, side="left"))
+
+    def _lap(self) -> float:
+        now = time.perf_counter()
+        spent, self._clock = now - self._clock, now
+        return spent
+
+    def _boundary(self, point: int) -> Boundary:
+        run = self._run
+        loop = {"clock": run.clock, "idle": run.idle, "since_progress": run.since_progress}
+        seconds = self._lap()
+        digest = self._digest(self._engine, loop)
+        counted = self._counters(self._engine)
+        self._lap()                           # the digest's own time is not the replay's
+        return Boundary(point, run.clock, run.steps_run, counted["lookups"], digest, seconds)
+
+    def begin(self) -> dict[str, Any]:
+        """Build the engine, replay to the start boundary (its digest), then to
+        the end boundary (its digest) and pause; the last segment replays to the
+        end of the trace."""
+        from replayer.replay.engines import EngineError
+        from replayer.replay.execution.in_process import engine_here
+        from replayer.replay.loop import ReplayRun
+
+        t0 = time.perf_counter()
+        self._engine = self._stack.enter_context(engine_here(self.trace, self.spec))
+        module = digest_module(self._engine.info.vllm)
+        if module is None:
+            raise EngineError(f"{self._engine.info.label}: no state digest for this release "
+                              "(segments need one)")
+        mod = importlib.import_module(module)
+        self._digest, self._counters = mod.DIGEST, mod.counters
+        self.timings["startup_s"] = time.perf_counter() - t0
+        self._lap()
+        self._run = ReplayRun(self.trace, self._engine, shortcuts=self.shortcuts)
+        out: dict[str, Any] = {"start": None, "end": None, "ended": False}
+        seg = self.segment
+        if not seg.first:
+            if not self._run.run_to(seg.start):
+                raise RuntimeError(f"segment {seg.index} ended before its start "
+                                   f"boundary {seg.start}")
+            out["start"] = self._boundary(seg.start)
+        out.update(self._to(seg.end))
+        out["timings"] = dict(self.timings)
+        return out
+
+    def _to(self, end: int | None) -> dict[str, Any]:
+        if end is None:
+            self._run.stop_after(None)
+            self._run.run_to(None)
+            return {"end": None, "ended": True, "seconds": self._lap()}
+        if not self._run.run_to(end):
+            raise RuntimeError(f"segment {self.segment.index} ended before boundary {end}")
+        return {"end": self._boundary(end), "ended": False}
+
+    def extend(self, end: int | None) -> dict[str, Any]:
+        """Own the next segment's arrivals too: replay on to ``end`` (None: the end)."""
+        self.owned_end = end
+        return self._to(end)
+
+    def finish(self) -> SegmentOutcome:
+        """Replay on until every owned arrival has finished; their outcomes."""
+        run = self._run
+        run.stop_after(None if self.owned_end is None else self._arrivals_before(self.owned_end))
+        run.run_to(None)
+        seconds = self._lap()
+        result = run.result()
+        first = 0 if self.segment.first else self._arrivals_before(self.segment.start)
+        last = self._arrivals_before(self.owned_end)
+        mine = result.requests[first:last]
+        ids = {r.id for r in mine}
+        fes = {rid: s for rid, s in result.finished_engine_step.items() if rid in ids}
+        lookups = None if result.lookups is None else {
+            rid: v for rid, v in result.lookups.items() if rid in ids}
+        out = SegmentOutcome(
+            requests=mine, finished_engine_step=fes, lookups=lookups,
+            steps=result.steps if self.owned_end is None else None,
+            engine=result.engine, kv_groups=result.kv_groups,
+            hit_alignment=result.hit_alignment,
+            hits_are_first_prefill=result.hits_are_first_prefill, notes=list(result.notes),
+            seconds=seconds, timings={**self.timings, **result.timings})
+        self.close()
+        return out
+
+    def close(self) -> None:
+        self._run = None
+        self._engine = None
+        self._stack.close()
+

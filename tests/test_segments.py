@@ -1,0 +1,221 @@
+"""Time segments (``--segments K``): the output is the sequential replay's, byte for byte.
+
+Every identity test replays in this process (:class:`InProcessHost`: the same
+workers and head as a pool or Ray, without their interpreters), over the
+recorded fixtures and a slice of the conversation trace, for K from 2 to 8,
+with a warm-up long enough that boundaries match and one so short that every
+boundary fails (each segment is then replayed again from its predecessor).
+Equal ``--json`` bytes, and equal engine-step and lookup numbers (what
+``explain`` reads beside them), are the assertion.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import MOONCAKE_TRACE, TRACES, cli, cli_here
+from replayer.check.output import dumps
+from replayer.replay.segments import plan_segments, replay_segments, warm_up_steps, why_serial
+from replayer.replay.segments.hosts import InProcessHost
+from replayer.replay.segments.plan import work_by_step
+from traces import TraceError, load_target
+
+_SEQUENTIAL: dict[str, object] = {}
+
+
+def _trace(name: str):
+    if name == "conv120":
+        from traces.io.importers.mooncake import import_mooncake
+
+        return import_mooncake(MOONCAKE_TRACE, limit=120)
+    return load_target(TRACES / name)
+
+
+def _sequential(name: str, trace):
+    from replayer.replay.execution.clients import replay_on
+
+    if name not in _SEQUENTIAL:
+        _SEQUENTIAL[name] = replay_on(trace)
+    return _SEQUENTIAL[name]
+
+
+def _assert_same(seq, res) -> None:
+    assert dumps(res) == dumps(seq)
+    assert res.finished_engine_step == seq.finished_engine_step
+    assert res.lookups == seq.lookups
+
+
+# (fixture, K, warm-up): K over 2..8 on the recorded EAGLE fixture (cheap: 267
+# steps), the others at a few K; "1steps" is a warm-up so short every boundary fails.
+CASES = [("live_eagle", k, "50steps") for k in range(2, 9)] + [
+    ("live_eagle", 5, "1steps"),
+    ("live_llama", 4, "100steps"),
+    ("live_llama", 3, "1steps"),
+    ("live_qwen3_next", 3, "20steps"),        # hybrid: three Mamba groups and attention
+    ("live_qwen3_next", 2, "1steps"),
+    ("conv120", 2, "30s"),
+    ("conv120", 7, "30s"),
+    ("conv120", 3, "1steps"),
+]
+# Where the warm-up is long enough that boundaries match (the proof path, not
+# only the fallback): how many of them.
+FEWER = {("conv120", 7, "30s"): 6}
+MATCHES = {("live_eagle", 8, "50steps"): 7, ("conv120", 7, "30s"): 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,k,warm", CASES, ids=[f"{n}-K{k}-{w}" for n, k, w in CASES])
+def test_segments_replay_byte_identical(name, k, warm):
+    trace = _trace(name)
+    seq = _sequential(name, trace)
+    res, report = replay_segments(trace, InProcessHost(), k, warm_up_steps(warm, trace), warm)
+    _assert_same(seq, res)
+    # Fewer where a warm-up longer than the trace's gaps makes more segments no
+    # faster (said on stderr as "of K asked").
+    assert len(report.plan.segments) == FEWER.get((name, k, warm), k)
+    assert len(report.checks) == len(report.plan.segments) - 1
+    if warm == "1steps":
+        assert report.matched == [], "a one-step warm-up cannot reach the true state"
+    if (name, k, warm) in MATCHES:
+        assert len(report.matched) == MATCHES[name, k, warm]
+    for check in report.checks:      # a verdict is the digests' equality, nothing else
+        assert check.matched == (check.started is not None
+                                 and check.started["total"] == check.exact["total"])
+
+
+@pytest.mark.slow
+def test_physical_block_ids_change_nothing():
+    """The digest leaves physical block ids out because no decision depends on them:
+    a replay over a permuted pool gives the same bytes, and the same digest at a
+    boundary, as one over vLLM's own order."""
+    import random
+
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+
+    from replayer.replay.engines.digest_0_33 import state_digest
+    from replayer.replay.execution.in_process import engine_here
+    from replayer.replay.loop import ReplayRun
+
+    trace = _trace("live_eagle")
+    outs = []
+    for permute in (False, True):
+        with engine_here(trace) as engine:
+            pool = engine.scheduler.kv_cache_manager.block_pool
+            if permute:
+                blocks = [b for b in pool.blocks if not b.is_null]
+                random.Random(7).shuffle(blocks)
+                pool.free_block_queue = FreeKVCacheBlockQueue(blocks)
+            run = ReplayRun(trace, engine)
+            assert run.run_to(150)
+            digest = state_digest(engine, {"clock": run.clock})
+            ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()[:50]]
+            run.run_to(None)
+            outs.append((digest, dumps(run.result()), ids))
+    assert outs[0][2] != outs[1][2]                 # the pools did differ
+    assert outs[0][0] == outs[1][0]
+    assert outs[0][1] == outs[1][1]
+
+
+@pytest.mark.slow
+def test_explain_over_segments_is_explain():
+    from replayer.analysis.explain import explain
+    from replayer.replay.execution.clients import replay_on
+
+    trace = _trace("live_eagle")
+    host = InProcessHost()
+    plain = explain(trace, run=replay_on)
+    seg = explain(trace, run=lambda t: replay_segments(t, host, 3, 50)[0])
+    assert seg.dumps() == plain.dumps()
+    # The command line's explain --segments (in its own process, one after another).
+    proc = cli("explain", TRACES / "live_eagle", "--segments", "3", "--warm-up", "50steps",
+               "--jobs", "1", "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith(plain.dumps())
+    assert "replayer: segments: replay 1: boundaries matched: 2 of 2" in proc.stderr
+
+
+@pytest.mark.slow
+def test_ray_gives_the_sequential_bytes():
+    """The segments on Ray (one actor: both segments, one after another); the
+    local pool is the command line's default, below."""
+    import ray                  # the ray extra: make test installs it; missing is a failure
+
+    from replayer.replay.segments.hosts import RayHost
+
+    trace = _trace("live_eagle")
+    seq = _sequential("live_eagle", trace)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONHASHSEED": "0"}})
+    try:
+        host = RayHost("auto", 2)
+        try:
+            res, report = replay_segments(trace, host, 3, 50)
+        finally:
+            host.close()
+    finally:
+        ray.shutdown()
+    _assert_same(seq, res)
+    assert host.slots == 1 and report.matched == [1, 2]
+
+
+@pytest.mark.slow
+def test_cli_run_segments_says_and_writes_digests(tmp_path):
+    out = tmp_path / "seg.json"
+    proc = cli("run", TRACES / "live_eagle", "--segments", "2", "--warm-up", "50steps",
+               "--json", out, "--segment-digests", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert "replayer: segments: 2 segments at steps 161, warm-up 50steps (50 steps), " \
+           "on a local process pool of 2" in proc.stderr
+    assert "boundaries matched: 1 of 1; replayed again from the segment before: none" \
+        in proc.stderr
+    data = json.loads(out.read_text())
+    [boundary] = data["segments"]["boundaries"]
+    assert boundary["matched"] and boundary["exact"] == boundary["segment_started"]
+    assert set(boundary["exact"]) >= {"queues", "requests", "prefix_cache", "blocks", "total"}
+    seq = _sequential("live_eagle", _trace("live_eagle"))
+    del data["segments"]
+    assert json.dumps(data, indent=2) + "\n" == dumps(seq)
+
+
+def test_plan_balances_work_and_starts_at_arrivals():
+    trace = _trace("conv120")
+    points, work = work_by_step(trace)
+    plan = plan_segments(trace, 4, warm_up_steps("10s", trace))
+    assert len(plan.segments) == 4
+    assert all(b in set(points.tolist()) for b in plan.boundaries)
+    assert plan.segments[0].warm_from == 0
+    assert all(s.warm_from == max(0, s.start - 500) for s in plan.segments[1:])
+    # Each segment's estimated work, warm-up included, within 25% of the mean.
+    mean = sum(plan.estimated_work) / 4
+    assert max(abs(w - mean) for w in plan.estimated_work) < 0.25 * mean
+    # More segments than arrival steps: as many as there are.
+    assert len(plan_segments(_trace("live_qwen3_next"), 500, 1).segments) <= 40
+
+
+def test_warm_up_durations():
+    trace = _trace("conv120")            # 20 ms a step
+    assert warm_up_steps("2m", trace) == 6000
+    assert warm_up_steps("90s", trace) == 4500
+    assert warm_up_steps("500ms", trace) == 25
+    assert warm_up_steps("3000steps", trace) == 3000
+    with pytest.raises(TraceError, match="not a duration"):
+        warm_up_steps("two minutes", trace)
+
+
+def test_what_stays_in_one_piece():
+    from conftest import SCENARIOS
+    from traces import load_target as load
+
+    assert why_serial(_trace("live_eagle")) is None
+    assert "after:" in why_serial(load(SCENARIOS / "shared_system_prompt_hybrid.yaml"))
+    assert "first request" in why_serial(load(TRACES / "live_store_llama"))
+    assert "KV-cache events" in why_serial(load(TRACES / "live_qwen3_next_kv_events"))
+
+
+def test_cli_segment_options_are_checked():
+    proc = cli_here("run", TRACES / "live_eagle", "--segments", "0")
+    assert proc.returncode == 2 and "--segments: must be at least 1" in proc.stderr
+    proc = cli_here("run", TRACES / "live_eagle", "--segments", "2", "--warm-up", "soon")
+    assert proc.returncode == 2 and "'soon' is not a duration" in proc.stderr
