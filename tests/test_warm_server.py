@@ -86,7 +86,7 @@ def test_start_says_where_it_listens_and_status_lists_the_warm_engine(server):
 
 
 def test_warm_is_byte_identical_to_cold_whatever_the_shell_seed_and_after_50_replays(
-        server, tmp_path):
+        server, tmp_path, monkeypatch):
     cold = _json(None, RESEND, tmp_path, "cold", "123")
     warm = _json(server, RESEND, tmp_path, "warm", "7")
     assert warm == cold
@@ -97,7 +97,9 @@ def test_warm_is_byte_identical_to_cold_whatever_the_shell_seed_and_after_50_rep
     from replayer.replay.execution.clients import make_client
 
     others = [load_target(p) for p in sorted(SCENARIOS.glob("*.yaml"))]
-    os.environ["PREFIX_REPLAYER_RUNTIME_DIR"] = str(server.root)
+    # This module's server, for this test only (monkeypatch puts back the suite's
+    # own runtime directory: the tests that run after it in this worker use it).
+    monkeypatch.setenv("PREFIX_REPLAYER_RUNTIME_DIR", str(server.root))
     try:
         client = make_client("installed", own_process=True)
         assert type(client).__name__ == "WarmClient"
@@ -116,7 +118,7 @@ def test_warm_is_byte_identical_to_cold_whatever_the_shell_seed_and_after_50_rep
         assert done == 5
         assert client.warm_replays == 45 and client.cold_replays == 0
     finally:
-        del os.environ["PREFIX_REPLAYER_RUNTIME_DIR"]
+        monkeypatch.undo()
     # ... and the same fixture again, from a third seed: still identical.
     assert _json(server, RESEND, tmp_path, "again", "99") == cold
     assert "vllm 0.29.0 (release)" in server.status()
