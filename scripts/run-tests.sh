@@ -90,6 +90,15 @@ pytest_phase() {  # pytest_phase NAME FILES... (no real_master tests)
 }
 
 ARGS=("$@")
+# Two xdist workers for a phase whose tests spend their time in CLI children, one
+# core each (releases are fetched and commits exported under file locks; each
+# console block runs in a private copy): about half the wall time on 2 cores.
+on_two_workers() {  # on_two_workers pytest_phase NAME FILES...
+  local saved=("${ARGS[@]}")
+  ARGS=(-n 2 "${saved[@]}")
+  "$@"
+  ARGS=("${saved[@]}")
+}
 # The slowest tests of each phase, so a CI log says where its time went.
 DURATIONS=(--durations=12 --durations-min=15)
 fetch_releases() {
@@ -118,7 +127,7 @@ pytest_phase "traces, command line, specs, step clock, golden updates, recorder 
 pytest_phase "replays on the installed vLLM 0.33.0 (store tests without a master included)" $INSTALLED
 pytest_phase "recorder: round trips and kill -9" $RECORDER
 phase "fetch vLLM 0.29.0-0.33.0 release sources (once per cache, ~1.6 GB of downloads)" fetch_releases
-pytest_phase "replays on vLLM releases and source trees, bisect" $ENGINES
+on_two_workers pytest_phase "replays on vLLM releases and source trees, bisect, on 2 xdist workers" $ENGINES
 pytest_phase "model worker: vLLM's own model runner in .venv-serve, held to the null executor; check --recompute and planted faults" $MODEL_WORKER
 pytest_phase "pytest plugin and replayer.pytest.testing (pytest runs in subprocesses, -n 2 included)" $PLUGIN
 golden_fixtures() {  # nothing collected (exit 5) means the plugin is not registered: a failure
@@ -130,14 +139,9 @@ golden_fixtures() {  # nothing collected (exit 5) means the plugin is not regist
 }
 phase "golden fixtures through the plugin: pytest fixtures/ on installed and vllm==0.29.0" \
   golden_fixtures
-pytest_phase "console blocks of README.md and docs/ (tests/test_readme.py)" $README
+on_two_workers pytest_phase "console blocks of README.md and docs/ (tests/test_readme.py), on 2 xdist workers" $README
 if [ -n "$OTHERS" ]; then
-  # Two xdist workers: these files spend their time in CLI children, one core each
-  # (all 262 tests pass under -n 2; releases are fetched under a file lock).
-  ARGS_SAVED=("${ARGS[@]}")
-  ARGS=(-n 2 "${ARGS_SAVED[@]}")
-  pytest_phase "other tests, on 2 xdist workers: $OTHERS" $OTHERS
-  ARGS=("${ARGS_SAVED[@]}")
+  on_two_workers pytest_phase "other tests, on 2 xdist workers: $OTHERS" $OTHERS
 fi
 phase "real-master and live-server tests (a real mooncake_master; a real vllm serve from .venv-serve)" real_master
 }

@@ -123,3 +123,50 @@ def test_finding_gdn_eagle_checkpoint_resume_is_a_wrong_hit(serve_venv, tmp_path
                                and "num_cached_tokens" not in line and "expect" not in line))
     proc, report = recompute(serve_venv, plain, tmp_path)
     assert [v["verdict"] for v in report["hits"]] == ["matches recompute"], proc.stdout
+
+
+# A resend served from the store after a reset; the fault makes one of its gets
+# read another key's bytes (the same size, put earlier): every count and key is
+# unchanged, the resend's KV is not what a recompute gives.
+STORE_RESEND = """
+description: a resend served from the MooncakeStore after a prefix-cache reset
+engine:
+  block_size: 32
+  kv_groups: [{kind: full_attention}]
+  max_num_batched_tokens: 2048
+  max_num_seqs: 4
+  num_gpu_blocks: 64
+  connector: mooncake_store
+requests:
+  - {id: a, prompt: [{stream: a, len: 300}], output_len: 4}
+  - {id: a_again, after: a, prompt: [{stream: a, len: 300}, {stream: tail, len: 16}], output_len: 4}
+events:
+  - {after: a, action: reset_prefix_cache}
+%s
+expect:
+  a: {num_cached_tokens: 0}
+  a_again: {num_cached_tokens: 288}
+"""
+CORRUPT_GET = ("  - {after: a, action: store_fault, op: get, code: CORRUPT, "
+               "keys: [{request: a, boundary: 128}]}")
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["plain", "corrupt_get"])
+def test_a_store_get_of_another_keys_bytes_is_a_wrong_hit(serve_venv, tmp_path, corrupt):
+    target = tmp_path / "store_resend.yaml"
+    target.write_text(STORE_RESEND % (CORRUPT_GET if corrupt else ""))
+    proc, report = recompute(serve_venv, target, tmp_path)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"PASS {target}"), proc.stdout     # the hit counts are unchanged
+    verdict = next(v for v in report["hits"] if v["id"] == "a_again")
+    assert verdict["num_external_cached_tokens"] == 288 and verdict["store_keys"], verdict
+    if not corrupt:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert verdict["verdict"] == "matches recompute"
+        return
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    wrong = [line for line in lines if "WRONG HIT" in line]
+    assert len(wrong) == 1 and "WRONG HIT a_again: hit 288 (288 of them from the store" \
+        in wrong[0], proc.stdout
+    assert verdict["verdict"] == "wrong hit" and verdict["first_position"] is not None
+    assert verdict["divergence"] >= 100 * report["threshold"], verdict

@@ -56,7 +56,7 @@ class Verdict:
     first_position: int | None         # first output index beyond the tolerance
     wrong: bool
     group_hits: list[int] | None = None
-    store_keys: list[str] = field(default_factory=list)
+    store_keys: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "num_cached_tokens": self.num_cached_tokens,
@@ -167,12 +167,16 @@ def calibrate(trace: Trace, ids: list[str], replay: Callable[[Trace], ReplayResu
     return cold, tolerance, (chunk, other)
 
 
-def store_keys_loaded(result: ReplayResult, rid: str) -> list[str]:
-    """Store keys read back for ``rid`` (its gets), where the replay had a connector."""
+def store_keys_loaded(result: ReplayResult, rid: str) -> list[dict[str, Any]]:
+    """Store keys read back for ``rid`` (the gets its load ran: ``loader``; a key's
+    ``request`` is the first request that held its prefix), with their group and
+    boundary, where the replay had a connector."""
     if result.store is None:
         return []
-    return [r["key"] for r in result.store["rows"]
-            if r["op"] == "get" and r.get("request") == rid and r["result"] >= 0]
+    return [{"key": r["key"], "group": r["group"], "boundary": r["boundary"]}
+            for r in result.store["rows"]
+            if r["op"] == "get" and (r.get("loader") or r.get("request")) == rid
+            and r["result"] >= 0]
 
 
 def recompute_check(trace: Trace, result: ReplayResult,
@@ -218,7 +222,10 @@ def report_lines(path: Any, report: RecomputeReport) -> list[str]:
                          f"recompute (largest difference {v.divergence:.3g})")
             continue
         groups = "" if v.group_hits is None else f"; each group alone: {v.group_hits}"
-        keys = "" if not v.store_keys else f"; store keys loaded: {', '.join(v.store_keys[:4])}"
+        shown = [f"group {k['group']} @ {k['boundary']}" for k in v.store_keys[:8]]
+        more = len(v.store_keys) - len(shown)
+        keys = "" if not v.store_keys else (
+            f"; store keys loaded: {', '.join(shown)}" + (f" and {more} more" if more else ""))
         lines.append(f"  WRONG HIT {v.id}: hit {v.num_cached_tokens} ({where}) gives logprobs "
                      f"{v.divergence:.3g} away from its recompute ({v.divergence / report.threshold:.0f}x "
                      f"the threshold), first at output token {v.first_position}{groups}{keys}")

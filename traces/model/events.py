@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from traces.model.errors import TraceError, reject_unknown_keys, require_int
-from traces.model.store_codes import RPC_FAIL, code_of
+from traces.model.store_codes import CORRUPT, RPC_FAIL, code_of
 
 ACTIONS = ("reset_prefix_cache", "abort", "evict", "store_remove", "store_fault")
 YAML_KEYS = ("after", "at_step", "action", "target", "request", "group", "keys",
@@ -79,6 +79,9 @@ def parse_event(path: Path, where: str, ev: dict[str, Any], ids: set[str]) -> di
         if code is None:
             raise TraceError(path, f"{where}.code must be a Mooncake error code (a name such "
                                    f"as RPC_FAIL or a number below 0), got {ev.get('code')!r}")
+        if code == CORRUPT and ev["op"] != "get":
+            raise TraceError(path, f"{where}.code CORRUPT is a get's (it reads another key's "
+                                   f"bytes), not a {ev['op']}'s")
         row["code"] = code
         row["times"] = require_int(path, f"{where}.times", ev.get("times", 1), 1)
     return row

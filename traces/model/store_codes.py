@@ -21,7 +21,13 @@ CODES = {
     -1000: "ETCD_OPERATION_ERROR", -1100: "FILE_NOT_FOUND",
 }
 
-_BY_NAME = {name: code for code, name in CODES.items() if code < 0}
+# Not Mooncake's: a ``store_fault`` code the replay gives itself. A get it takes
+# succeeds with another key's bytes (the same size, put earlier), as a store
+# that mixed up two objects would: what ``check --recompute`` must catch.
+CORRUPT = -99_999
+REPLAY_CODES = {CORRUPT: "CORRUPT"}
+
+_BY_NAME = {name: code for code, name in {**CODES, **REPLAY_CODES}.items() if code < 0}
 
 NO_AVAILABLE_HANDLE = -200          # the pool is full: vLLM's worker calls it store pressure
 OBJECT_NOT_FOUND = -704
@@ -30,7 +36,7 @@ RPC_FAIL = -900
 
 
 def code_name(code: int) -> str:
-    return f"{CODES.get(code, 'UNKNOWN')} ({code})"
+    return f"{CODES.get(code) or REPLAY_CODES.get(code, 'UNKNOWN')} ({code})"
 
 
 def code_of(value: object) -> int | None:

@@ -217,7 +217,7 @@ class StoreConnectorEngine(CoreEngine):
                     else ""))
         return {"backend": self.session.spec.kind, "rows": list(ops.rows),
                 "lookups": list(ops.lookups), "faults": faults,
-                "gets_checked": ops.gets_checked,
+                "gets_checked": ops.gets_checked, "gets_corrupted": ops.gets_corrupted,
                 "seconds": sum(r.recorder.seconds for r in self.session.ranks)}
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from traces.model.store_codes import (  # noqa: F401
     CODES,
+    CORRUPT,
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from replayer.replay.schedule import KeySelector
-from replayer.replay.store.codes import NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, code_name
+from replayer.replay.store.codes import CORRUPT, NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, code_name
 
 _GROUP = re.compile(r"@group:(\d+)@")
 
@@ -84,6 +84,10 @@ class StoreOps:
     # Successful gets whose bytes, once in the worker's KV buffers, were compared
     # with that CRC (the witness that the comparison ran).
     gets_checked: int = 0
+    # Successful gets a CORRUPT fault served from another key (never checked).
+    gets_corrupted: int = 0
+    # key -> its buffers' sizes, in put order (where CORRUPT takes another key from)
+    put_sizes: dict[str, list[int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     faults: list[Fault] = field(default_factory=list)
     # The first put a full pool refused (step, rank, key), and how many it refused.
@@ -112,6 +116,7 @@ class RecordingStore:
         # The request whose load is running on this thread (set around each load).
         self._loading = threading.local()
         self._put_crc = self.ops.put_crc
+        self._put_sizes = self.ops.put_sizes
         self.seconds = 0.0            # inside the backend's calls (timings, never output)
         if hasattr(inner, "on_evict") and rank == 0:
             # A backend shared by the ranks files its evictions once, under rank 0.
@@ -150,6 +155,7 @@ class RecordingStore:
         # The value is gone: a later put of the key (from another block, whose
         # bytes may differ) is what a get must read back.
         self._put_crc.pop(key, None)
+        self._put_sizes.pop(key, None)
 
     # -- the calls vLLM's worker makes -----------------------------------
     def _call(self, fn, *args: Any) -> Any:
@@ -177,10 +183,11 @@ class RecordingStore:
                         break
         return out
 
-    def _forward(self, fn, op: str, keys: list[str], *lists: list, rest: tuple = ()) -> tuple:
+    def _forward(self, fn, op: str, keys: list[str], *lists: list, rest: tuple = (),
+                 injected: dict[int, int] | None = None) -> tuple:
         """The backend's results for the keys no fault answers, merged in key
         order with the injected codes; and the injected indices."""
-        injected = self._injected(op, keys)
+        injected = self._injected(op, keys) if injected is None else injected
         if not injected:
             return list(self._call(fn, keys, *lists, *rest)), injected
         keep = [i for i in range(len(keys)) if i not in injected]
@@ -214,16 +221,32 @@ class RecordingStore:
                     self._fail(f"put of {k} returned {code_name(int(r))}")
             else:
                 self._put_crc.setdefault(k, c)
+                self._put_sizes[k] = list(s)
         return res
 
     def batch_get_into_multi_buffers(self, keys, addrs, sizes, *args: Any) -> list[int]:
-        res, injected = self._forward(self._inner.batch_get_into_multi_buffers, "get", keys,
-                                      addrs, sizes, rest=args)
+        injected = self._injected("get", keys)
+        # A CORRUPT fault is served, from another key: the bytes land, the get succeeds.
+        corrupt = {i for i, c in injected.items() if c == CORRUPT}
+        served = list(keys)
+        for i in corrupt:
+            del injected[i]
+            other = self._other_key(keys[i], list(sizes[i]))
+            if other is None:
+                self._fail(f"store_fault CORRUPT on the get of {keys[i]}: no other key of "
+                           "its size was put before it")
+            else:
+                served[i] = other
+        res, injected = self._forward(self._inner.batch_get_into_multi_buffers, "get", served,
+                                      addrs, sizes, rest=args, injected=injected)
         for i, (k, a, s, r) in enumerate(zip(keys, addrs, sizes, res)):
             self._row("get", k, sum(s), int(r))
             if r < 0 and r != OBJECT_NOT_FOUND:
                 if i not in injected:
                     self._fail(f"get of {k} returned {code_name(int(r))}")
+            elif r >= 0 and i in corrupt:
+                with self._lock:
+                    self.ops.gets_corrupted += 1
             elif r >= 0 and k in self._put_crc:
                 if _crc(a, s) != self._put_crc[k]:
                     self._fail(f"get of {k} read back bytes that differ from the put")
@@ -232,6 +255,14 @@ class RecordingStore:
                         self.ops.gets_checked += 1
         return res
 
+    def _other_key(self, key: str, sizes: list[int]) -> str | None:
+        """The last key put before ``key`` with the same buffer sizes (CORRUPT's source)."""
+        with self._lock:
+            for k in reversed(list(self._put_sizes)):
+                if k != key and self._put_sizes[k] == sizes:
+                    return k
+        return None
+
     def remove(self, key: str, force: bool = False) -> int:
         """Mooncake's ``remove`` (a ``store_remove`` event): recorded as op ``remove``."""
         res = int(self._call(self._inner.remove, key, force))
@@ -239,12 +270,14 @@ class RecordingStore:
         if res < 0:
             self._fail(f"remove of {key} returned {code_name(res)}")
         self._put_crc.pop(key, None)
+        self._put_sizes.pop(key, None)
         return res
 
     def remove_all(self, *args: Any, **kwargs: Any) -> int:
         res = self._inner.remove_all(*args, **kwargs)
         self._row("remove_all", None, None, int(res))
         self._put_crc.clear()
+        self._put_sizes.clear()
         return res
 
     def loading(self, request_id: str | None) -> None:
