@@ -47,7 +47,7 @@ LIVE = {path.name: path for path in sorted(TRACES.glob("live_*"))}
 # so the replay must come out the same (asserted).
 WHAT_IF_BLOCKS = {"live_llama": 1500, "live_eagle": 150,
                   "live_qwen3_next": 48, "live_qwen3_next_kv_events": 48,
-                  "live_store_eagle": 129, "live_store_llama": 129, "live_store_qwen3_next": 16}
+                  "live_store_eagle": 129, "live_store_llama": 129, "live_store_qwen3_next": 15}
 STORE_BACKED = {"live_store_eagle", "live_store_llama", "live_store_qwen3_next"}
 
 CALL_TIMEOUT = 900
