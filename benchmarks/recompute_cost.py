@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_agreement import fixture_paths  # noqa: E402
 
 from replayer.check.recompute import recompute_check  # noqa: E402
-from replayer.replay.engines.specs import parse_spec, resolve  # noqa: E402
+from replayer.replay.engines.sources.specs import parse_spec, resolve  # noqa: E402
 from replayer.replay.execution.clients import cold_client  # noqa: E402
 from replayer.replay.worker.models import refusal  # noqa: E402
 from traces import load_target  # noqa: E402

@@ -102,7 +102,7 @@ on_two_workers() {  # on_two_workers pytest_phase NAME FILES...
 # The slowest tests of each phase, so a CI log says where its time went.
 DURATIONS=(--durations=12 --durations-min=15)
 fetch_releases() {
-  "$PY" -c 'from replayer.replay.engines.releases import release_sources
+  "$PY" -c 'from replayer.replay.engines.sources.releases import release_sources
 for v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"):
     print(f"vllm=={v}: {release_sources(v)}")'
 }

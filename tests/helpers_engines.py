@@ -90,7 +90,7 @@ TRANSIENT_CHECKPOINT_RULE = """\
 
 def before_56794_tree(dest: Path) -> Path:
     """vLLM 0.30.0's sources without #56794's rule (fails loudly if it is not there)."""
-    from replayer.replay.engines.releases import release_sources
+    from replayer.replay.engines.sources.releases import release_sources
 
     shutil.copytree(release_sources("0.30.0"), dest)
     path = dest / DROP_FILE

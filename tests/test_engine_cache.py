@@ -19,7 +19,7 @@ import pytest
 from helpers_engines import git, init_repo
 from replayer.compare.bisection import CommitLine
 from replayer.replay.engines import EngineError
-from replayer.replay.engines.releases import release_sources
+from replayer.replay.engines.sources.releases import release_sources
 
 MARKER = f".compiled-{sys.implementation.cache_tag}"
 

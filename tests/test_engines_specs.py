@@ -18,9 +18,9 @@ from conftest import SCENARIOS, cli_here
 from helpers_engines import git, init_repo
 from helpers_traces import assert_bad_input
 from replayer.replay.engines import EngineError, EngineInfo
-from replayer.replay.engines.releases import releases_between, release_sources
-from replayer.replay.engines.specs import parse_spec, resolve
-from replayer.replay.engines.trees import git_identity
+from replayer.replay.engines.sources.releases import releases_between, release_sources
+from replayer.replay.engines.sources.specs import parse_spec, resolve
+from replayer.replay.engines.sources.trees import git_identity
 
 FIXTURE = SCENARIOS / "vllm51295_turn1_24577.yaml"
 
@@ -336,7 +336,7 @@ def test_bisect_prints_its_header_before_the_first_replay(tmp_path):
 def test_each_release_and_tree_gets_a_vllm_cache_of_its_own(tmp_path, monkeypatch):
     """vLLM's model-info cache is keyed by model class only: releases sharing one
     rewrote each other's files (a ~5 s inspection subprocess per replay)."""
-    from replayer.replay.engines.specs import ResolvedEngine
+    from replayer.replay.engines.sources.specs import ResolvedEngine
     from replayer.replay.execution.child_process import engine_env
 
     monkeypatch.setenv("PREFIX_REPLAYER_CACHE", str(tmp_path / "cache"))

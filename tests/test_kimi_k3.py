@@ -16,7 +16,7 @@ import re
 import pytest
 
 from conftest import FIXTURES
-from replayer.replay.engines.releases import release_sources
+from replayer.replay.engines.sources.releases import release_sources
 from traces import load_target
 from traces.model.engine_spec import EngineBlock
 from traces.model.errors import TraceError

@@ -27,7 +27,7 @@ from helpers_traces import assert_bad_input, make_trace_dir, replace_column, rew
 
 from replayer.compare.workers import worker_differences
 from replayer.replay.engines import EngineError
-from replayer.replay.engines.specs import parse_spec, resolve
+from replayer.replay.engines.sources.specs import parse_spec, resolve
 from replayer.replay.execution.clients import cold_client
 from replayer.replay.worker.models import refusal
 from traces import load_target, read_trace

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from conftest import STORE_SCENARIOS, cli
-from replayer.replay.engines.releases import KNOWN_RELEASES
-from replayer.replay.engines.specs import resolve
+from replayer.replay.engines.sources.releases import KNOWN_RELEASES
+from replayer.replay.engines.sources.specs import resolve
 from replayer.replay.execution.child_process import engine_env, write_overlay
 from replayer.recorder import releases
 

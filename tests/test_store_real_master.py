@@ -17,7 +17,7 @@ import pytest
 from conftest import FIXTURES, STORE_SCENARIOS, cli
 from replayer.check.goldens import observed
 from replayer.compare.workers import worker_differences
-from replayer.replay.engines.specs import parse_spec, resolve
+from replayer.replay.engines.sources.specs import parse_spec, resolve
 from replayer.replay.execution.clients import cold_client
 from replayer.replay.execution.clients import replay_on as replay
 from replayer.replay.store import StoreSpec

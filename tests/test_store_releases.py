@@ -1,6 +1,6 @@
 """MooncakeStore connector replay on the releases 0.29.0-0.33.0 (vLLM #56615).
 
-One store adapter (replayer/replay/engines/mooncake_0_33.py) serves every release:
+One store adapter (replayer/replay/engines/connector/mooncake_0_33.py) serves every release:
 the first test reads each release's sources and fails if what its seams touch
 ever differs. The others replay the store fixtures on old releases, where the
 connector's own code differs: 0.30 and 0.31 write a prompt tail's attention KV
@@ -16,7 +16,7 @@ import json
 import pytest
 
 from conftest import STORE_SCENARIOS, cli
-from replayer.replay.engines.releases import KNOWN_RELEASES, release_sources
+from replayer.replay.engines.sources.releases import KNOWN_RELEASES, release_sources
 
 pytestmark = pytest.mark.slow       # each engine process costs ~10 s of vLLM imports
 

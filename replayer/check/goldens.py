@@ -84,7 +84,7 @@ def _check_events(trace: Trace, result: ReplayResult) -> tuple[list[str], bool]:
 
 def engine_key_of(spec: Any) -> str:
     """The key an engine's goldens are filed under (``vllm==X.Y.Z``), from a parsed
-    spec (:func:`replayer.replay.engines.specs.parse_spec`): known before it runs or is fetched."""
+    spec (:func:`replayer.replay.engines.sources.specs.parse_spec`): known before it runs or is fetched."""
     from replayer.replay.engines import installed_vllm_version
 
     from traces.goldens.kind import engine_key

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from replayer.replay.engines.specs import INSTALLED
+from replayer.replay.engines.sources.specs import INSTALLED
 from replayer.replay.execution.clients import replay_on
 from replayer.replay.loop import ReplayResult
 from traces import Trace

@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from replayer.replay.engines import UnsupportedByEngine
-    from replayer.replay.engines.specs import parse_spec, resolve_unless_known
+    from replayer.replay.engines.sources.specs import parse_spec, resolve_unless_known
     from replayer.replay.execution.clients import engine_runner
 
     spec = parse_spec(args.engine, args.worker)

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from replayer.compare.outcomes import compare_results, diff_table
-    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.engines.sources.specs import parse_spec
     from replayer.replay.execution.clients import engine_runner
     from traces.io.atomic import write_atomic
 

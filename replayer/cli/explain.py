@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from replayer.analysis.explain_tables import render, write_parquet_atomic
     from replayer.cli.segmented import check_segment_opts
-    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.engines.sources.specs import parse_spec
     from replayer.replay.execution.clients import engine_runner
     from traces.io.atomic import write_atomic
 

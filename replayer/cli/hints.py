@@ -19,7 +19,7 @@ MARKER = "said-warm-server-hint"
 
 
 def marker() -> Path:
-    from replayer.replay.engines.releases import cache_dir
+    from replayer.replay.engines.sources.releases import cache_dir
 
     return cache_dir() / MARKER
 

@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from replayer.analysis.html_report import render_html
-    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.engines.sources.specs import parse_spec
     from replayer.replay.execution.clients import engine_runner
     from traces.io.atomic import write_atomic
 

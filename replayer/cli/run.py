@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from replayer.check.output import SpooledJson, dumps, run_table
-    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.engines.sources.specs import parse_spec
     from replayer.replay.execution.clients import engine_runner, runs_in_this_process
     from traces.io.atomic import write_atomic
 

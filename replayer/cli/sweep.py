@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from replayer.analysis.explain_tables import write_parquet_atomic
     from replayer.analysis.sweep import comparable, parse_grid, run_sweep, table_text
-    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.engines.sources.specs import parse_spec
     from traces.io.atomic import write_atomic
 
     from replayer.cli.segmented import check_segment_opts

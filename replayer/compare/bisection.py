@@ -1,12 +1,12 @@
 """``replayer bisect``: the first engine whose outcome differs from a good one.
 
 The engines form a line, oldest first: the releases from ``--good`` to
-``--bad`` (:func:`~replayer.replay.engines.releases.releases_between`: a fixed list of
+``--bad`` (:func:`~replayer.replay.engines.sources.releases.releases_between`: a fixed list of
 published releases, never a registry scan), or the commits of a source tree
 along its first-parent line (``--tree PATH``; each commit is written out with
 ``git archive`` into a directory of its own, so the checkout is never
 touched, and kept in the cache by commit id, so no later bisect exports or
-compiles it again: :func:`~replayer.replay.engines.trees.commit_sources`). Good and
+compiles it again: :func:`~replayer.replay.engines.sources.trees.commit_sources`). Good and
 bad are replayed first: good's outcome is the reference, and bad must differ
 from it or there is nothing to find. Then a binary search
 replays the middle of the open range until the first differing engine sits
@@ -105,8 +105,8 @@ def search(candidates: Sequence[Any], replay_one: Callable[[Any], ReplayResult],
 
 def release_line(good: str, bad: str) -> list[str]:
     """Release specs from ``good`` to ``bad`` (both ``vllm==X.Y.Z``), in that direction."""
-    from replayer.replay.engines.releases import releases_between, version_key
-    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.engines.sources.releases import releases_between, version_key
+    from replayer.replay.engines.sources.specs import parse_spec
 
     specs = [parse_spec(good), parse_spec(bad)]
     if any(s.kind != "release" for s in specs):
@@ -126,7 +126,7 @@ class CommitLine:
     """The commits of a source tree from good to bad, each exported on demand."""
 
     def __init__(self, tree: str, good: str, bad: str) -> None:
-        from replayer.replay.engines.trees import commits_between, package_dir, resolve_commit
+        from replayer.replay.engines.sources.trees import commits_between, package_dir, resolve_commit
 
         self.tree = Path(tree).expanduser().absolute()
         if not self.tree.is_dir():
@@ -140,8 +140,8 @@ class CommitLine:
     def engine(self, commit: str):
         """The engine of one commit: its cached export, named by the commit."""
         from replayer.replay.engines import adapter_module_for
-        from replayer.replay.engines.specs import ResolvedEngine
-        from replayer.replay.engines.trees import (
+        from replayer.replay.engines.sources.specs import ResolvedEngine
+        from replayer.replay.engines.sources.trees import (
             commit_sources,
             commit_version,
             package_dir,

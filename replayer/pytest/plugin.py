@@ -97,7 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: replays that take more than a few seconds")
     config.addinivalue_line("markers", "real_master: starts a real mooncake_master")
     from replayer.replay.engines import EngineError
-    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.engines.sources.specs import parse_spec
 
     specs = config.getoption("replayer_engines") or ["installed"]
     try:                                            # bad options: one line, before collection
@@ -276,7 +276,7 @@ class GoldenItem(pytest.Item):
             said_before_replay,
         )
         from replayer.replay.engines import UnsupportedByEngine
-        from replayer.replay.engines.specs import resolve_unless_known
+        from replayer.replay.engines.sources.specs import resolve_unless_known
 
         if self.error is not None:
             raise self.error

@@ -48,7 +48,7 @@ class Outcome:
 
 
 def _clients(specs: list[str]) -> dict[str, Any]:
-    from replayer.replay.engines.specs import parse_spec
+    from replayer.replay.engines.sources.specs import parse_spec
     from replayer.replay.execution.clients import interpreter_seed_pinned, make_client
 
     for s in specs:

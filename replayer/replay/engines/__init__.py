@@ -26,7 +26,7 @@ from replayer.replay.engines.base import (
 from traces.model.engine_spec import EngineBlock
 
 if TYPE_CHECKING:
-    from replayer.replay.engines.specs import ResolvedEngine
+    from replayer.replay.engines.sources.specs import ResolvedEngine
 
 # release prefix -> adapter module (consecutive prefixes of one module form a range)
 ADAPTERS: dict[str, str] = {
@@ -46,11 +46,11 @@ ADAPTERS: dict[str, str] = {
 # vLLM code the replay runs as it is. A release range whose seams differ gets
 # its own module here.
 STORE_ADAPTERS: dict[str, str] = {
-    "0.29": "replayer.replay.engines.mooncake_0_33",
-    "0.30": "replayer.replay.engines.mooncake_0_33",
-    "0.31": "replayer.replay.engines.mooncake_0_33",
-    "0.32": "replayer.replay.engines.mooncake_0_33",
-    "0.33": "replayer.replay.engines.mooncake_0_33",
+    "0.29": "replayer.replay.engines.connector.mooncake_0_33",
+    "0.30": "replayer.replay.engines.connector.mooncake_0_33",
+    "0.31": "replayer.replay.engines.connector.mooncake_0_33",
+    "0.32": "replayer.replay.engines.connector.mooncake_0_33",
+    "0.33": "replayer.replay.engines.connector.mooncake_0_33",
 }
 
 

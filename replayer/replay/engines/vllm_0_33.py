@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import (
 from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.core_driver import CoreEngine
 from replayer.replay.engines.engine_config import LayerPlan, build_config, plan_layers
-from replayer.replay.engines.mooncake_0_33 import (
+from replayer.replay.engines.connector.mooncake_0_33 import (
     StoreAwareExecutor,
     StoreConnectorEngine,
     kv_transfer_config,

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 from replayer import SOURCE_ROOT
 from replayer.replay.engines import EngineError, check_supported
-from replayer.replay.engines.specs import ResolvedEngine
+from replayer.replay.engines.sources.specs import ResolvedEngine
 from replayer.replay.execution.determinism import INTERPRETER_SEED
 from replayer.replay.execution.wire import AnswerLost, Job, read_answer, send
 from traces import Trace
@@ -64,7 +64,7 @@ def vllm_cache_root(engine: ResolvedEngine) -> Path | None:
     own = engine.sources or engine.prefix
     if own is None:
         return None
-    from replayer.replay.engines.releases import cache_dir
+    from replayer.replay.engines.sources.releases import cache_dir
 
     digest = hashlib.sha256(str(Path(own).resolve()).encode()).hexdigest()[:12]
     return cache_dir() / "vllm-cache" / f"{engine.info.vllm}-{digest}"

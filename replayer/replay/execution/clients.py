@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from replayer.replay.engines.base import EngineInfo
-from replayer.replay.engines.specs import INSTALLED, EngineSpec, ResolvedEngine, resolve
+from replayer.replay.engines.sources.specs import INSTALLED, EngineSpec, ResolvedEngine, resolve
 from replayer.replay.loop import ReplayResult
 from traces import Trace
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from replayer.replay.engines import EngineAdapter, open_engine
-from replayer.replay.engines.specs import INSTALLED, EngineSpec, ResolvedEngine, resolve
+from replayer.replay.engines.sources.specs import INSTALLED, EngineSpec, ResolvedEngine, resolve
 from replayer.replay.execution.determinism import engine_hash_seed
 from replayer.replay.execution.gc_tuning import fewer_gc_passes
 from replayer.replay.loop import Progress, ReplayResult, refuse_unsupported, replay

@@ -30,7 +30,7 @@ class EnginePool:
         self.started = 0                            # engine clients opened (tests read it)
 
     def replay(self, spec: str, trace: Any, store: Any = None) -> Any:
-        from replayer.replay.engines.specs import parse_spec
+        from replayer.replay.engines.sources.specs import parse_spec
         from replayer.replay.execution.clients import engine_runner
 
         store = self.store if store is None else store

@@ -38,7 +38,7 @@ def digest_module(version: str) -> str | None:
 
 def serial_reason(trace: Trace, spec: Any) -> str | None:
     """Why ``trace`` on engine ``spec`` replays in one piece (one line), or None."""
-    from replayer.replay.engines.specs import resolve
+    from replayer.replay.engines.sources.specs import resolve
     from replayer.replay.segments.plan import why_serial
 
     engine = resolve(spec)

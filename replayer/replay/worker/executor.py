@@ -55,7 +55,7 @@ def model_args(engine: EngineBlock, label: str) -> ModelArgs:
     request must fit, the CPU worker's free-memory test); ``num_gpu_blocks``
     decides how many blocks are allocated, and :class:`ModelExecutor` refuses a
     cache larger than this budget."""
-    from replayer.replay.engines.releases import cache_dir
+    from replayer.replay.engines.sources.releases import cache_dir
 
     models = worker_models(engine, label, cache_dir() / "models")
     hybrid_spec = engine.speculative is not None and engine.has_mamba

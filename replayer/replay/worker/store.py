@@ -1,7 +1,7 @@
 """The MooncakeStore connector on the model worker: its seams, where vLLM's worker creates it.
 
 On the null executor the replay builds the worker-side connector itself and
-steps it (:mod:`replayer.replay.engines.mooncake_session`). On the model
+steps it (:mod:`replayer.replay.engines.connector.mooncake_session`). On the model
 worker vLLM does both: the worker's ``initialize_from_config`` creates the
 connector (``ensure_kv_transfer_initialized``), its model runner allocates the
 KV-cache tensors and registers them (``register_kv_caches``, which starts the
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from replayer.replay.engines.mooncake_ranks import NoopCudaEvent, WorkerRank, start_up_log
+from replayer.replay.engines.connector.mooncake_ranks import NoopCudaEvent, WorkerRank, start_up_log
 from replayer.replay.store import StoreError
 from replayer.replay.store.recording import RecordingStore
 from replayer.replay.worker.executor import ModelExecutor

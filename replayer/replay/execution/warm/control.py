@@ -39,7 +39,7 @@ def _duration(seconds: float) -> str:
 
 def start(engines: list[str], idle_timeout: float, replay_timeout: float | None,
           replay_memory_mb: int | None) -> tuple[list[str], int]:
-    from replayer.replay.engines.specs import resolve
+    from replayer.replay.engines.sources.specs import resolve
     from replayer.replay.execution.environment import engine_env_defaults
 
     resolved = [resolve(e) for e in engines]        # a bad spec: one line, before starting

@@ -30,7 +30,7 @@ def runtime_root() -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and Path(xdg).is_dir():
         return Path(xdg) / "prefix-replayer"
-    from replayer.replay.engines.releases import cache_dir
+    from replayer.replay.engines.sources.releases import cache_dir
 
     return cache_dir() / "run"
 

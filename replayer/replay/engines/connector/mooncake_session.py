@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.protocol import
 from vllm.forward_context import set_forward_context
 from vllm.v1.outputs import KVConnectorOutput
 
-from replayer.replay.engines.mooncake_ranks import (
+from replayer.replay.engines.connector.mooncake_ranks import (
     NoopCudaEvent,
     WorkerRank,
     allocate_kv_caches,

@@ -64,7 +64,7 @@ from vllm.config import KVTransferConfig
 
 from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.core_driver import CoreEngine, NullExecutor
-from replayer.replay.engines.mooncake_session import StoreSession
+from replayer.replay.engines.connector.mooncake_session import StoreSession
 from replayer.replay.schedule import KeySelector
 from replayer.replay.store import StoreSpec
 from traces.model.engine_spec import EngineBlock

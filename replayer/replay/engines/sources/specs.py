@@ -35,9 +35,9 @@ from pathlib import Path
 
 from replayer.replay.engines import EngineError, adapter_module_for, installed_vllm_version
 from replayer.replay.engines.base import EngineInfo
-from replayer.replay.engines.environments import interpreter_of, is_this_process, probe
-from replayer.replay.engines.releases import release_of, release_sources
-from replayer.replay.engines.trees import git_identity, package_dir, tree_version
+from replayer.replay.engines.sources.environments import interpreter_of, is_this_process, probe
+from replayer.replay.engines.sources.releases import release_of, release_sources
+from replayer.replay.engines.sources.trees import git_identity, package_dir, tree_version
 
 INSTALLED = "installed"
 WORKERS = ("null", "model")
@@ -196,7 +196,7 @@ def resolve_unless_known(spec: EngineSpec) -> EngineSpec | ResolvedEngine:
     replaying ask this first, so a release that does not exist is never
     reported as missing goldens. Anything else comes back as it is (resolved
     when it replays)."""
-    from replayer.replay.engines.releases import KNOWN_RELEASES
+    from replayer.replay.engines.sources.releases import KNOWN_RELEASES
 
     if spec.kind == "release" and spec.version not in KNOWN_RELEASES:
         return resolve(spec)

@@ -108,7 +108,7 @@ def _toplevel(repo: Path) -> tuple[str, Path]:
 
 def commit_sources(repo: Path, commit: str) -> Path:
     """Where ``repo`` lands in the cached export of ``commit``, exported if needed."""
-    from replayer.replay.engines.releases import (
+    from replayer.replay.engines.sources.releases import (
         CACHE_ENV,
         _locked,
         cache_dir,
