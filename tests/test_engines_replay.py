@@ -1,4 +1,8 @@
-"""Replays on other vLLM builds: real 0.29.0 and 0.33.0 sources, a patched tree, bisect.
+"""Replays on other vLLM builds: real 0.29.0 and 0.33.0 sources, a patched tree.
+
+Bisect over a tree's commits is the console block of docs/engines.md that runs it
+(tests/test_readme.py: its output, and the checkout left untouched); it is not
+run a second time here.
 
 Releases come from the wheel cache (``$PREFIX_REPLAYER_CACHE``, else
 ``~/.cache/prefix-replayer``): the first run on a clean machine downloads
@@ -13,7 +17,7 @@ import json
 import pytest
 
 from conftest import SCENARIOS, TRACES, cli
-from helpers_engines import copy_vllm_sources, git, init_repo, patch_eagle_drop
+from helpers_engines import copy_vllm_sources, patch_eagle_drop
 from traces import load_target
 
 PAIR = ("vllm51295_turn1_24576", "vllm51295_turn1_24577")
@@ -101,36 +105,6 @@ def test_patched_tree_changes_51295_and_diff_shows_it(tmp_path):
               "num_external_cached_tokens": 0}}]
     assert data["summary"] == {"requests": 2, "gained": 0, "lost": 1, "unchanged": 1,
                                "tokens_gained": -1408}
-
-
-def test_bisect_over_commits_finds_the_patch(tmp_path):
-    repo = tmp_path / "vllm-src"
-    init_repo(repo)
-    copy_vllm_sources(repo / "vllm", bytecode=False)
-    git(repo, "add", "-A")
-    git(repo, "commit", "-qm", "the installed sources")
-    patch_eagle_drop(repo / "vllm")
-    git(repo, "commit", "-qam", "drop a whole block for EAGLE")
-    with open(repo / "vllm" / "v1" / "core" / "block_pool.py", "a") as fh:
-        fh.write("# an unrelated change\n")
-    git(repo, "commit", "-qam", "unrelated")
-    good, culprit, bad = git(repo, "rev-list", "--reverse", "HEAD").split()
-    before = git(repo, "status", "--porcelain")
-
-    proc = cli("bisect", SCENARIOS / "vllm51295_turn1_24577.yaml", "--tree", repo,
-               "--good", "HEAD~2", "--bad", "HEAD")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = proc.stdout.splitlines()
-    assert lines[0] == f"bisect over 3 commits of {repo}:"
-    label = f"vllm 0.33.0 (tree {repo} @ " + "{})"
-    assert lines[1:4] == [
-        f"  good  {label.format(good[:12])}  cached 24448  the reference",
-        f"  bad   {label.format(bad[:12])}  cached 23040  differs from good",
-        f"  try   {label.format(culprit[:12])}  cached 23040  differs from good"]
-    assert lines[4] == (f"first engine that differs from good: {label.format(culprit[:12])} "
-                        "(3 replays)")
-    assert "turn2       24448     23040  -1408" in proc.stdout
-    assert git(repo, "status", "--porcelain") == before         # the checkout is untouched
 
 
 def test_store_fixture_replays_on_0320_through_the_store_adapter():
