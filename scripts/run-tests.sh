@@ -39,8 +39,8 @@ INSTALLED="tests/test_replay.py tests/test_anonymize.py tests/test_store_ops.py
            tests/test_store_errors.py tests/test_store_real_master.py"
 RECORDER="tests/test_recorder_roundtrip.py tests/test_recorder_kill.py"
 ENGINES="tests/test_engines_replay.py"
-# vLLM's own model runner (--worker model) in .venv-serve: one engine process
-# per worker, all cores each, so on its own and not on xdist workers.
+# vLLM's own model runner (--worker model) in .venv-serve: a phase of its own,
+# one test file per xdist worker.
 MODEL_WORKER="tests/test_model_worker.py tests/test_recompute.py"
 PLUGIN="tests/test_pytest_plugin.py tests/test_testing_api.py"
 README="tests/test_readme.py"
@@ -124,11 +124,17 @@ real_master() {
 # shellcheck disable=SC2086
 {
 pytest_phase "traces, command line, specs, step clock, golden updates, recorder writer, memory store (no vLLM replay)" $UNITS
-pytest_phase "replays on the installed vLLM 0.33.0 (store tests without a master included)" $INSTALLED
-pytest_phase "recorder: round trips and kill -9" $RECORDER
+on_two_workers pytest_phase "replays on the installed vLLM 0.33.0 (store tests without a master included), on 2 xdist workers" $INSTALLED
+on_two_workers pytest_phase "recorder: round trips and kill -9, on 2 xdist workers" $RECORDER
 phase "fetch vLLM 0.29.0-0.33.0 release sources (once per cache, ~1.6 GB of downloads)" fetch_releases
-on_two_workers pytest_phase "replays on vLLM releases and source trees, bisect, on 2 xdist workers" $ENGINES
-pytest_phase "model worker: vLLM's own model runner in .venv-serve, held to the null executor; check --recompute and planted faults" $MODEL_WORKER
+on_two_workers pytest_phase "replays on vLLM releases and source trees, on 2 xdist workers" $ENGINES
+# One file per xdist worker (--dist loadfile): each file's engine processes serve
+# only its own tests, and much of a model-worker step is single-threaded Python
+# (the scheduler, vLLM's Mamba kernels under Triton's interpreter).
+ARGS_SAVED=("${ARGS[@]}")
+ARGS=(-n 2 --dist loadfile "${ARGS_SAVED[@]}")
+pytest_phase "model worker: vLLM's own model runner in .venv-serve, held to the null executor; check --recompute and planted faults (a file per xdist worker)" $MODEL_WORKER
+ARGS=("${ARGS_SAVED[@]}")
 pytest_phase "pytest plugin and replayer.pytest.testing (pytest runs in subprocesses, -n 2 included)" $PLUGIN
 golden_fixtures() {  # nothing collected (exit 5) means the plugin is not registered: a failure
   "$PY" -m pytest -q fixtures/ --replayer-engine installed --replayer-engine vllm==0.29.0 \
