@@ -17,6 +17,7 @@ from replayer.cli.common import (
     replay_target,
     set_opt,
     store_spec,
+    write_output,
 )
 from traces import TraceError
 
@@ -111,15 +112,8 @@ def run(args) -> int:
                     worst = max(worst, EXIT_MISMATCH)
     if args.json:
         import json
-        import sys
 
-        from traces.io.atomic import write_atomic
-
-        text = json.dumps(reports, indent=2) + "\n"
-        if args.json == "-":
-            sys.stdout.write(text)
-        else:
-            write_atomic(args.json, text)
+        write_output(args.json, json.dumps(reports, indent=2) + "\n")
     return worst
 
 

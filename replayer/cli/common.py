@@ -61,6 +61,17 @@ def set_opt(sp: argparse.ArgumentParser) -> None:
                          "value; null removes it; repeatable), validated as a scenario's")
 
 
+def write_output(dest: str | None, text: str) -> None:
+    """A command's ``--json`` text: ``-`` is stdout; a path is written atomically
+    (nothing half-written); none, nothing."""
+    if dest == "-":
+        sys.stdout.write(text)
+    elif dest:
+        from traces.io.atomic import write_atomic
+
+        write_atomic(dest, text)
+
+
 def error(msg: str) -> int:
     msg = " ".join(part.strip() for part in msg.splitlines() if part.strip())  # always one line
     print(f"replayer: error: {msg}", file=sys.stderr)

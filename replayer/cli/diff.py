@@ -15,6 +15,7 @@ from replayer.cli.common import (
     engine_opts,
     error,
     replay_target,
+    write_output,
 )
 from traces import load_target
 
@@ -37,7 +38,6 @@ def run(args) -> int:
     from replayer.compare.outcomes import compare_results, diff_table
     from replayer.replay.engines.sources.specs import parse_spec
     from replayer.replay.execution.clients import engine_runner
-    from traces.io.atomic import write_atomic
 
     if len(args.engine) != 2:
         return error(f"diff takes exactly two --engine options (A, then B), got {len(args.engine)}")
@@ -57,10 +57,6 @@ def run(args) -> int:
             results.append(replay_target(trace, args, run))
     d = compare_results(*results)
     print(diff_table(d), file=sys.stderr if args.json == "-" else sys.stdout)
-    text = json.dumps(d.as_dict(), indent=2) + "\n"
-    if args.json == "-":
-        sys.stdout.write(text)
-    elif args.json:
-        write_atomic(args.json, text)
+    write_output(args.json, json.dumps(d.as_dict(), indent=2) + "\n")
     return EXIT_OK if d.identical else EXIT_MISMATCH
 

@@ -14,6 +14,7 @@ from replayer.cli.common import (
     note_skipped,
     set_opt,
     store_spec,
+    write_output,
 )
 from replayer.cli.segmented import segment_opts
 
@@ -36,7 +37,6 @@ def run(args) -> int:
     from replayer.cli.segmented import check_segment_opts
     from replayer.replay.engines.sources.specs import parse_spec
     from replayer.replay.execution.clients import engine_runner
-    from traces.io.atomic import write_atomic
 
     spec = parse_spec(args.engine, args.worker)
     if args.top < 0:
@@ -54,10 +54,7 @@ def run(args) -> int:
     print(render(ex, top=args.top))
     if args.parquet:
         write_parquet_atomic(args.parquet, ex.table)
-    if args.json == "-":
-        sys.stdout.write(ex.dumps())
-    elif args.json:
-        write_atomic(args.json, ex.dumps())
+    write_output(args.json, ex.dumps())
     return EXIT_OK
 
 

@@ -15,6 +15,7 @@ from replayer.cli.common import (
     note_skipped,
     replay_target,
     set_opt,
+    write_output,
 )
 from replayer.cli.segmented import segment_opts
 from traces import TraceError
@@ -90,7 +91,6 @@ def run_segmented(args, spec) -> int:
     from replayer.cli.segmented import SegmentedRunner
     from replayer.replay.execution.clients import engine_runner
     from replayer.replay.segments import warm_up_steps
-    from traces.io.atomic import write_atomic
 
     trace = load_with_sets(args.target, args.set)
     note_skipped(trace)
@@ -121,9 +121,5 @@ def run_segmented(args, spec) -> int:
         if args.segment_digests:
             out["segments"] = (segmented.reports[0].as_dict() if segmented.reports
                                else None)
-        text = json.dumps(out, indent=2) + "\n"
-        if args.json == "-":
-            sys.stdout.write(text)
-        else:
-            write_atomic(args.json, text)
+        write_output(args.json, json.dumps(out, indent=2) + "\n")
     return EXIT_OK

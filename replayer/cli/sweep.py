@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 import sys
 
-from replayer.cli.common import ENGINE_HELP, EXIT_OK, error, load_with_sets, no_server_opt, set_opt
+from replayer.cli.common import (
+    ENGINE_HELP,
+    EXIT_OK,
+    error,
+    load_with_sets,
+    no_server_opt,
+    set_opt,
+    write_output,
+)
 from replayer.cli.segmented import segment_opts
 
 
@@ -33,7 +41,6 @@ def run(args) -> int:
     from replayer.analysis.explain_tables import write_parquet_atomic
     from replayer.analysis.sweep import comparable, parse_grid, run_sweep, table_text
     from replayer.replay.engines.sources.specs import parse_spec
-    from traces.io.atomic import write_atomic
 
     from replayer.cli.segmented import check_segment_opts
 
@@ -74,10 +81,7 @@ def run(args) -> int:
         import polars as pl
 
         write_parquet_atomic(args.parquet, pl.DataFrame(rows))
-    if args.json == "-":
-        sys.stdout.write(text)
-    elif args.json:
-        write_atomic(args.json, text)
+    write_output(args.json, text)
     return EXIT_OK
 
 
