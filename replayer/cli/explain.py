@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from replayer.cli.common import (
     EXIT_OK,
     check_worker,
