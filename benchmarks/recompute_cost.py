@@ -34,7 +34,8 @@ def main() -> int:
     ap.add_argument("fixtures", nargs="*", type=Path)
     ap.add_argument("--engine", default=str(ROOT / ".venv-serve"))
     args = ap.parse_args()
-    traces = [(p, load_target(p)) for p in (args.fixtures or fixture_paths())]
+    paths = [p.resolve() for p in args.fixtures] or fixture_paths()
+    traces = [(p, load_target(p)) for p in paths]
     traces = [(p, t) for p, t in traces if refusal(t.engine) is None]
     client = cold_client(resolve(parse_spec(args.engine, "model")), own_process=True)
     print(f"{'fixture':52s} {'plain s':>8s} {'recompute s':>12s} {'ratio':>6s} "

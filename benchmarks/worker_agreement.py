@@ -43,7 +43,7 @@ def main() -> int:
     ap.add_argument("fixtures", nargs="*", type=lambda s: Path(s).resolve())
     ap.add_argument("--engine", default=str(ROOT / ".venv-serve"))
     args = ap.parse_args()
-    paths = args.fixtures or fixture_paths()
+    paths = [p.resolve() for p in args.fixtures] or fixture_paths()
     runnable, skipped = [], []
     for p in paths:
         trace = load_target(p)
