@@ -138,6 +138,21 @@ def test_two_clients_at_once_each_get_their_own_result(server, tmp_path):
         assert out.read_bytes() == alone[t]
 
 
+def test_each_replay_takes_its_own_clients_tmpdir(server, tmp_path):
+    """An engine parent is started with the environment of the first client that
+    asks for it; a later client's replay must not put its temporary files (a store
+    replay's sockets) where that first client's TMPDIR was, which may be gone."""
+    target = REPO / "fixtures" / "store" / "shared_prefix_junction.yaml"
+    first = Path(tempfile.mkdtemp(prefix="rp-", dir="/tmp"))   # short: sockets live there
+    # An import-time variable of its own: a new engine parent, started by this client.
+    key = {"VLLM_REPLAYER_TEST_TMPDIR_KEY": tmp_path.name}
+    proc = server.cli("run", target, env={**key, "TMPDIR": str(first)})
+    assert proc.returncode == 0, proc.stderr
+    shutil.rmtree(first)
+    proc = server.cli("run", target, env=key)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_a_client_killed_mid_replay_leaves_the_server_serving(server, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "replayer", "run", str(CONVERSATION)],
                             cwd=REPO, env={**os.environ, **server.env},

@@ -315,6 +315,10 @@ def _child_main(engine: Any, request: dict[str, Any], conn_fd: int, err_fd: int,
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ.update(own)
+        # Temporary files where this client's TMPDIR says, not where the client
+        # that started this engine parent said (tempfile caches its directory:
+        # a store replay's sockets live there, and that client's may be gone).
+        tempfile.tempdir = None
         conn = socket.socket(fileno=conn_fd)
         stream = conn.makefile("rwb")
         from replayer.replay.execution.in_process import replay_here
