@@ -114,10 +114,10 @@ real_master() {
     echo "(inside a private network namespace: unshare -n, ip link set lo up, a server of its own)"
     unshare -n sh -c "ip link set lo up && export PREFIX_REPLAYER_RUNTIME_DIR=\$(mktemp -d /tmp/replayer-ns.XXXXXX) \
       && '$PY' -m replayer server start --lazy >/dev/null \
-      && { '$PY' -m pytest -q -m 'real_master or live_server' tests/ ${ARGS[*]}; rc=\$?; \
+      && { '$PY' -m pytest -q ${DURATIONS[*]} -m 'real_master or live_server' tests/ ${ARGS[*]}; rc=\$?; \
            '$PY' -m replayer server stop >/dev/null; rm -rf \"\$PREFIX_REPLAYER_RUNTIME_DIR\"; exit \$rc; }"
   else
-    "$PY" -m pytest -q -m "real_master or live_server" tests/ "${ARGS[@]}"
+    "$PY" -m pytest -q "${DURATIONS[@]}" -m "real_master or live_server" tests/ "${ARGS[@]}"
   fi
 }
 
