@@ -27,7 +27,7 @@ pytestmark = pytest.mark.live_server
 
 # Fewer requests than the committed fixtures (fixtures/traces/live_*): the
 # same configurations, sized so the three take a few minutes here.
-STREAMS = {"llama": 120, "eagle": 40, "qwen3-next": 20}
+STREAMS = {"llama": 60, "eagle": 40, "qwen3-next": 20}
 # Recorded with vLLM's KV-cache events on (record_live --kv-events): the hybrid,
 # whose GDN groups keep fewer blocks than each BlockStored covers.
 KV_EVENTS = {"qwen3-next"}
