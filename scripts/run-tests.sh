@@ -128,13 +128,12 @@ on_two_workers pytest_phase "replays on the installed vLLM 0.33.0 (store tests w
 on_two_workers pytest_phase "recorder: round trips and kill -9, on 2 xdist workers" $RECORDER
 phase "fetch vLLM 0.29.0-0.33.0 release sources (once per cache, ~1.6 GB of downloads)" fetch_releases
 on_two_workers pytest_phase "replays on vLLM releases and source trees, on 2 xdist workers" $ENGINES
-# One file per xdist worker (--dist loadfile): each file's engine processes serve
-# only its own tests, and much of a model-worker step is single-threaded Python
-# (the scheduler, vLLM's Mamba kernels under Triton's interpreter).
-ARGS_SAVED=("${ARGS[@]}")
-ARGS=(-n 2 --dist loadfile "${ARGS_SAVED[@]}")
-pytest_phase "model worker: vLLM's own model runner in .venv-serve, held to the null executor; check --recompute and planted faults (a file per xdist worker)" $MODEL_WORKER
-ARGS=("${ARGS_SAVED[@]}")
+# Two xdist workers, tests dealt out one by one: each worker starts its own engine
+# processes for test_model_worker.py (its module fixture), and much of a
+# model-worker step is single-threaded Python (the scheduler, vLLM's Mamba kernels
+# under Triton's interpreter). A file per worker (--dist loadfile) took 575 s:
+# test_model_worker.py alone is most of it.
+on_two_workers pytest_phase "model worker: vLLM's own model runner in .venv-serve, held to the null executor; check --recompute and planted faults, on 2 xdist workers" $MODEL_WORKER
 pytest_phase "pytest plugin and replayer.pytest.testing (pytest runs in subprocesses, -n 2 included)" $PLUGIN
 golden_fixtures() {  # nothing collected (exit 5) means the plugin is not registered: a failure
   "$PY" -m pytest -q fixtures/ --replayer-engine installed --replayer-engine vllm==0.29.0 \
