@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
+import socket
+import tempfile
+from pathlib import Path
 
 import polars as pl
 
@@ -11,9 +15,15 @@ from conftest import cli
 
 def test_store_ops_table_holds_every_operation_in_order(tmp_path):
     ops_file, json_file = tmp_path / "ops.parquet", tmp_path / "out.json"
+    own_tmp = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))     # short: the session's dir goes here
     proc = cli("run", "fixtures/store/vllm51295_reset_before_turn2.yaml",
-               "--store-ops", str(ops_file), "--json", str(json_file))
+               "--store-ops", str(ops_file), "--json", str(json_file), env={"TMPDIR": own_tmp})
     assert proc.returncode == 0, proc.stderr
+    # The store session's directory (client config, log, lookup socket) is gone
+    # (torch's own compile cache may stay there).
+    left = sorted(p.name for p in own_tmp.iterdir())
+    shutil.rmtree(own_tmp)
+    assert [n for n in left if n.startswith("replayer-")] == []
     ops = pl.read_parquet(ops_file)
     out = json.loads(json_file.read_text())
     assert ops["order"].to_list() == list(range(ops.height))
@@ -38,3 +48,23 @@ def test_store_ops_needs_a_connector(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--store-ops needs a trace with engine.connector" in lines[0]
     assert not (tmp_path / "ops.parquet").exists()
+
+
+def test_a_deep_tmpdir_keeps_the_lookup_socket_path_short(tmp_path, monkeypatch):
+    """vLLM's lookup socket lives in the session's directory; a Unix socket path
+    holds at most 107 bytes, so under a deep TMPDIR the directory goes to /tmp.
+    Gone at close either way."""
+    from replayer.replay.engines.connector.mooncake_session import StoreSession
+    from replayer.replay.store import StoreSpec
+
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    session = StoreSession(StoreSpec("memory"))
+    try:
+        name = f"lookup_rpc_port_0_host_{socket.gethostname()}_dp_rank0"
+        assert len(f"{session.tmp}/{name}") <= 107
+        assert (session.tmp / "mooncake.json").exists()
+    finally:
+        session.close()
+    assert not session.tmp.exists()

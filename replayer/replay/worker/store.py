@@ -71,6 +71,7 @@ class StoreModelExecutor(ModelExecutor):
 
             if has_kv_transfer_group():     # the connector was made: not the client's start
                 raise
+            session.keep_tmp = True
             raise StoreError(f"store {session.label}: could not start the Mooncake client "
                              f"of the model worker ({exc}; client log: {log})") from None
         adopt_connector(session, self.runner, made)

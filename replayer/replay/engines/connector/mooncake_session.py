@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -84,12 +85,24 @@ class InProcessLookupClient:
         return None
 
 
+# The longest TMPDIR the session's directory goes under: vLLM's lookup socket,
+# "lookup_rpc_port_0_host_<hostname>_dp_rank0" in "replayer-store-XXXXXXXX",
+# must stay within a Unix socket path's 107 bytes for hostnames up to ~20 chars.
+SHORT_DIR_CHARS = 40
+
+
 class StoreSession:
     """Everything a connector adds to one replay: env, master, store, worker connectors."""
 
     def __init__(self, spec: StoreSpec) -> None:
         self.spec = spec
-        self.tmp = Path(tempfile.mkdtemp(prefix="replayer-store-"))
+        # The client's config, log and vLLM's lookup socket: removed at close
+        # unless an error named the log in it (keep_tmp). A Unix socket's path
+        # holds at most 107 bytes (ZMQ refuses longer): under a TMPDIR too deep
+        # for vLLM's socket name, the directory (a few small files) goes to /tmp.
+        where = None if len(tempfile.gettempdir()) <= SHORT_DIR_CHARS else "/tmp"
+        self.tmp = Path(tempfile.mkdtemp(prefix="replayer-store-", dir=where))
+        self.keep_tmp = False
         self.master: MasterProcess | None = None
         self.ranks: list[WorkerRank] = []
         self.ops = StoreOps()
@@ -172,6 +185,7 @@ class StoreSession:
                     else:
                         connector = create_worker_connector(vllm_config, kv_cache_config)
             except RuntimeError as exc:
+                self.keep_tmp = True
                 raise StoreError(f"store {self.label}: could not start the Mooncake client "
                                  f"of rank {rank} ({exc}; is the pool of {self._segment} "
                                  f"bytes too small? client log: {log})") from None
@@ -341,6 +355,8 @@ class StoreSession:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        if not self.keep_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _worker_copy(scheduler_output: Any) -> Any:
