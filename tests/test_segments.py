@@ -220,3 +220,18 @@ def test_cli_segment_options_are_checked():
     assert proc.returncode == 2 and "--segments: must be at least 1" in proc.stderr
     proc = cli_here("run", TRACES / "live_eagle", "--segments", "2", "--warm-up", "soon")
     assert proc.returncode == 2 and "'soon' is not a duration" in proc.stderr
+
+
+def test_pool_processes_fork_from_one_server_that_imported_vllm(monkeypatch):
+    """The pool's processes fork from a server preloading vLLM (one import for them
+    all); a pool at another log level than that server's spawns its own."""
+    from replayer.replay.segments import hosts
+
+    monkeypatch.setattr(hosts, "_FORK_SERVER_VERBOSE", [])
+    ctx = hosts._pool_context(False)
+    assert ctx.get_start_method() == "forkserver"
+    from multiprocessing import forkserver
+
+    assert "replayer.replay.segments.preload" in forkserver._forkserver._preload_modules
+    assert hosts._pool_context(False).get_start_method() == "forkserver"
+    assert hosts._pool_context(True).get_start_method() == "spawn"

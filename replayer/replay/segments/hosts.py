@@ -7,7 +7,8 @@ of the trace (shipped once), then ``begin``, ``extend``, ``finish`` or
 head waits for whichever answer it needs next, wherever it came from. A slot
 keeps its interpreter (vLLM imported once) for every replay of a command
 (``explain`` runs several), and may hold several paused segments when there
-are more segments than slots.
+are more segments than slots. A host's ``startup_s`` (its processes started)
+is charged to the first replay on it.
 
 Every slot runs under the pinned interpreter hash seed, with this checkout
 importable and vLLM quiet, as the sweep's workers do; what a slot prints goes
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from typing import Any
@@ -91,6 +93,8 @@ class InProcessHost:
     """One slot: this process, each call run as it is made."""
 
     kind = "this process"
+    startup_s = 0.0
+    imports_vllm_once = False
 
     def __init__(self) -> None:
         self.slots = 1
@@ -194,16 +198,39 @@ class _PoolSlot:
         self.conn.close()
 
 
+# The fork server's log level, once started (it is one per process, started with
+# the environment of its first pool): None until then.
+_FORK_SERVER_VERBOSE: list[bool] = []
+
+
+def _pool_context(verbose: bool) -> Any:
+    """Processes forked from one server that imported vLLM once (.preload), or
+    spawned where that server runs at another log level (or forks cannot be)."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    if _FORK_SERVER_VERBOSE and _FORK_SERVER_VERBOSE[0] != verbose:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    if not _FORK_SERVER_VERBOSE:
+        ctx.set_forkserver_preload(["replayer.replay.segments.preload"])
+        _FORK_SERVER_VERBOSE.append(verbose)
+    return ctx
+
+
 class PoolHost:
-    """A local process pool: ``processes`` spawned interpreters (started at once,
-    so they import vLLM while the head plans)."""
+    """A local process pool: ``processes`` interpreters started at once, forked
+    from a server that imports vLLM once for them all (the first pool's slot
+    starts it, under the slots' environment)."""
 
     kind = "pool"
+    # Its start-up (the fork server importing vLLM) is a sequential replay's too.
+    imports_vllm_once = True
 
     def __init__(self, processes: int, verbose: bool = False) -> None:
-        from multiprocessing import get_context
-
-        ctx = get_context("spawn")
+        t0 = time.perf_counter()
+        ctx = _pool_context(verbose)
         self.slots = max(1, processes)
         self._slots: list[_PoolSlot] = []
         try:
@@ -212,6 +239,7 @@ class PoolHost:
         except BaseException:
             self.close()
             raise
+        self.startup_s = time.perf_counter() - t0
 
     def describe(self) -> str:
         return f"on a local process pool of {self.slots}"
@@ -248,10 +276,12 @@ class RayHost:
     here): one actor per CPU the cluster has, at most ``slots``."""
 
     kind = "ray"
+    imports_vllm_once = False        # each actor imports vLLM in its first segment's start-up
 
     def __init__(self, address: str | None, slots: int, verbose: bool = False) -> None:
         from traces import TraceError
 
+        t0 = time.perf_counter()
         try:
             import ray
         except ImportError:
@@ -270,6 +300,7 @@ class RayHost:
         self.slots = max(1, min(slots, cpus))
         actor = ray.remote(num_cpus=1)(_RayActor)
         self._actors = [actor.remote(verbose) for _ in range(self.slots)]
+        self.startup_s = time.perf_counter() - t0
 
     def describe(self) -> str:
         where = "local" if self.address is None else self.address
