@@ -45,6 +45,12 @@ def _fixtures() -> list:
 
 RUNNABLE = [p for p in _fixtures() if refusal(load_target(p).engine) is None]
 REFUSED = [p for p in _fixtures() if refusal(load_target(p).engine) is not None]
+# Twins of a fixture held here, left to benchmarks/worker_agreement.py (which holds
+# all of RUNNABLE to the null executor): #51295's turn 1 one token shorter (its
+# geometry and path are the 24577 seed case's, ~50 s of bf16 hybrid on CPU), and
+# the qwen3-next recording re-recorded with KV events (the events are compared
+# on kv_events_sparse_mamba.yaml; ~32 s).
+TWINS = {"scenarios/vllm51295_turn1_24576.yaml", "traces/live_qwen3_next_kv_events"}
 
 
 def _id(path) -> str:
@@ -70,7 +76,11 @@ def test_the_model_worker_runs_most_hybrid_and_live_fixtures():
             "store/resend_after_reset.yaml", "traces/live_store_qwen3_next"} <= names
 
 
-@pytest.mark.parametrize("path", RUNNABLE, ids=_id)
+def test_the_twins_left_to_the_benchmark_are_runnable():
+    assert TWINS <= {_id(p) for p in RUNNABLE}
+
+
+@pytest.mark.parametrize("path", [p for p in RUNNABLE if _id(p) not in TWINS], ids=_id)
 def test_model_worker_agrees_with_the_null_executor(workers, path):
     trace = load_target(path)
     null, model = workers["null"](trace), workers["model"](trace)
