@@ -52,8 +52,7 @@ def _assert_same(seq, res) -> None:
 # same), the others at a few K; "1steps" is a warm-up so short every boundary fails.
 CASES = [("live_eagle", k, "50steps") for k in (2, 3, 5, 8)] + [
     ("live_eagle", 5, "1steps"),
-    ("live_llama", 4, "100steps"),
-    ("live_llama", 3, "1steps"),
+    ("live_llama", 3, "1steps"),        # 250 requests: the fallback path only (84 s at K 4)
     ("live_qwen3_next", 3, "20steps"),        # hybrid: three Mamba groups and attention
     ("live_qwen3_next", 2, "1steps"),
     ("conv120", 2, "30s"),
