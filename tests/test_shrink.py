@@ -54,7 +54,7 @@ def server():
     s.stop()
 
 
-def planted(noise: int = 24, seed: int = 7) -> dict:
+def planted(noise: int = 12, seed: int = 7) -> dict:
     """The #51295 pair (turn1 24577 tokens, turn2 50000 sharing it) among unrelated
     traffic in the same hybrid geometry: random prompts over other streams, some
     sharing a system prompt or extending an earlier one."""
@@ -89,7 +89,7 @@ def planted(noise: int = 24, seed: int = 7) -> dict:
             "engine": HYBRID, "requests": reqs}
 
 
-def planted_store(noise: int = 10, seed: int = 3) -> dict:
+def planted_store(noise: int = 6, seed: int = 3) -> dict:
     """#56615: a prompt sent, the GPU prefix cache reset, the prompt sent again
     (served from MooncakeStore only where attention is written at B + H),
     among unrelated traffic and two resets that matter to nobody."""
@@ -109,7 +109,7 @@ def planted_store(noise: int = 10, seed: int = 3) -> dict:
             "engine": src["engine"], "requests": reqs, "events": events}
 
 
-def capacity_case(noise: int = 6) -> dict:
+def capacity_case(noise: int = 3) -> dict:
     """b resends a's 512-token document after three fillers evicted it from a
     small cache: b loses 512 tokens to capacity; small noise requests beside."""
     reqs = [{"id": "a", "prompt": [{"stream": "doc", "start": 0, "len": 512},
