@@ -114,10 +114,10 @@ real_master() {
     echo "(inside a private network namespace: unshare -n, ip link set lo up, a server of its own)"
     unshare -n sh -c "ip link set lo up && export PREFIX_REPLAYER_RUNTIME_DIR=\$(mktemp -d /tmp/replayer-ns.XXXXXX) \
       && '$PY' -m replayer server start --lazy >/dev/null \
-      && { '$PY' -m pytest -q ${DURATIONS[*]} -m 'real_master or live_server' tests/ ${ARGS[*]}; rc=\$?; \
+      && { '$PY' -m pytest -q -n 2 ${DURATIONS[*]} -m 'real_master or live_server' tests/ ${ARGS[*]}; rc=\$?; \
            '$PY' -m replayer server stop >/dev/null; rm -rf \"\$PREFIX_REPLAYER_RUNTIME_DIR\"; exit \$rc; }"
   else
-    "$PY" -m pytest -q "${DURATIONS[@]}" -m "real_master or live_server" tests/ "${ARGS[@]}"
+    "$PY" -m pytest -q -n 2 "${DURATIONS[@]}" -m "real_master or live_server" tests/ "${ARGS[@]}"
   fi
 }
 
@@ -148,7 +148,7 @@ on_two_workers pytest_phase "console blocks of README.md and docs/ (tests/test_r
 if [ -n "$OTHERS" ]; then
   on_two_workers pytest_phase "other tests, on 2 xdist workers: $OTHERS" $OTHERS
 fi
-phase "real-master and live-server tests (a real mooncake_master; a real vllm serve from .venv-serve)" real_master
+phase "real-master and live-server tests (a real mooncake_master; a real vllm serve from .venv-serve, each on a port of its own), on 2 xdist workers" real_master
 }
 
 echo

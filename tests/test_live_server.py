@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, TRACES
 
+from replayer.replay.store.master import free_port
 from traces.model.trace import read_trace
 
 pytestmark = pytest.mark.live_server
@@ -43,6 +44,7 @@ def run(*args: object, timeout: float = 900) -> subprocess.CompletedProcess:
 def test_live_recording_agrees_three_ways_on_every_request(serve_venv, tmp_path, config):
     out = tmp_path / config
     proc = run("tools/record_live.py", "record", "--config", config, "--out", out,
+               "--port", free_port(),
                "--requests", STREAMS[config], *(["--kv-events"] if config in KV_EVENTS else []))
     assert proc.returncode == 0, f"recording {config} failed:\n{proc.stdout}\n{proc.stderr}"
     print(proc.stdout)
@@ -175,7 +177,8 @@ def test_live_store_recording_agrees_four_ways(serve_venv, tmp_path, config, fix
     and every store op, key by key) and the master's own key list = the recorded puts;
     and it records what the committed fixture holds."""
     out = tmp_path / config
-    proc = run("tools/record_live.py", "store", "--config", config, "--out", out)
+    proc = run("tools/record_live.py", "store", "--config", config, "--out", out,
+               "--port", free_port())
     assert proc.returncode == 0, f"recording {config} failed:\n{proc.stdout}\n{proc.stderr}"
     print(proc.stdout)
     trace = read_trace(out)
