@@ -32,18 +32,19 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from replayer.analysis.explain_tables import render, write_parquet_atomic
-    from replayer.cli.segmented import check_segment_opts
+    from replayer.cli.segmented import check_segment_opts, start_workers_early
     from replayer.replay.engines.sources.specs import parse_spec
     from replayer.replay.execution.clients import engine_runner
 
     spec = parse_spec(args.engine, args.worker)
     if args.top < 0:
         return error("--top must be at least 0")
+    check_segment_opts(args)
+    start_workers_early(args, spec)
     trace = load_with_sets(args.target, args.set)
     check_worker(trace, spec, args.target)
     note_skipped(trace)
     store_spec(args)                        # a bad --store is reported before any replay
-    check_segment_opts(args)
     with engine_runner(spec) as run:         # one engine process for every counterfactual
         if args.segments > 1:
             ex = explain_segmented(trace, args, spec, run)

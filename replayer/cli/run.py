@@ -88,10 +88,11 @@ def run_segmented(args, spec) -> int:
 
     from replayer.check.output import run_table
     from replayer.cli.common import replay_target
-    from replayer.cli.segmented import SegmentedRunner
+    from replayer.cli.segmented import SegmentedRunner, start_workers_early
     from replayer.replay.execution.clients import engine_runner
     from replayer.replay.segments import warm_up_steps
 
+    start_workers_early(args, spec)
     trace = load_with_sets(args.target, args.set)
     note_skipped(trace)
     if args.store_ops and not trace.engine.connector:

@@ -48,6 +48,18 @@ def check_segment_opts(args) -> None:
         raise TraceError("--jobs", "must be at least 1")
 
 
+def start_workers_early(args, spec: Any) -> None:
+    """Where the segments will run on a local pool, start its fork server before
+    the trace is read: vLLM's import there overlaps the reading."""
+    if args.segments < 2 or getattr(args, "ray", None) or getattr(args, "jobs", None) == 1:
+        return
+    from replayer.replay.engines.sources.specs import resolve
+    from replayer.replay.segments.hosts import start_fork_server
+
+    if resolve(spec).runs_here():
+        start_fork_server(getattr(args, "verbose", False))
+
+
 def make_host(args, segments: int) -> Any:
     from replayer.replay.segments.hosts import make_host as make
 

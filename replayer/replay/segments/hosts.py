@@ -23,7 +23,8 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from replayer import SOURCE_ROOT
 from replayer.replay.execution.determinism import INTERPRETER_SEED
@@ -140,27 +141,34 @@ def serve(conn: Any, verbose: bool) -> None:
         slot.close()
 
 
+@contextmanager
+def _slot_env(verbose: bool) -> Iterator[None]:
+    """The environment a pool process (or its fork server) starts with: set, then
+    restored (a child's environment is read when it starts)."""
+    env = {**_pinned_env(verbose), "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))}
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class _PoolSlot:
     """One pool process and the thread that sends it calls and reads its answers."""
 
     def __init__(self, ctx: Any, index: int, verbose: bool) -> None:
         self.index = index
         parent, child = ctx.Pipe()
-        # The child's environment is read when it starts: set, then restored.
-        env = {**_pinned_env(verbose), "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))}
-        before = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with _slot_env(verbose):
             self.process = ctx.Process(target=serve, args=(child, verbose), daemon=True,
                                        name=f"replayer-segment-{index}")
             self.process.start()
-        finally:
-            for k, v in before.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         child.close()
         self.conn = parent
         self.calls: queue.Queue = queue.Queue()
@@ -201,6 +209,22 @@ class _PoolSlot:
 # The fork server's log level, once started (it is one per process, started with
 # the environment of its first pool): None until then.
 _FORK_SERVER_VERBOSE: list[bool] = []
+# When start_fork_server started it ahead of a pool (perf_counter), until a pool counts it.
+_STARTED_AHEAD: list[float] = []
+
+
+def start_fork_server(verbose: bool = False) -> None:
+    """Start the pool's fork server now, so it imports vLLM while the caller
+    reads and plans its trace (a pool made later forks from it at once)."""
+    ctx = _pool_context(verbose)
+    if ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    t0 = time.perf_counter()
+    with _slot_env(verbose):
+        forkserver.ensure_running()
+    _STARTED_AHEAD[:] = [t0]
 
 
 def _pool_context(verbose: bool) -> Any:
@@ -239,7 +263,9 @@ class PoolHost:
         except BaseException:
             self.close()
             raise
-        self.startup_s = time.perf_counter() - t0
+        # From the fork server's start, where it was started ahead (its import).
+        self.startup_s = time.perf_counter() - min([t0, *_STARTED_AHEAD])
+        _STARTED_AHEAD.clear()
 
     def describe(self) -> str:
         return f"on a local process pool of {self.slots}"
