@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from conftest import MOONCAKE_TRACE, TRACES, cli, cli_here
+from conftest import MOONCAKE_TRACE, REPO, TRACES, cli, cli_here
 from replayer.check.output import dumps
 from replayer.replay.segments import plan_segments, replay_segments, warm_up_steps, why_serial
 from replayer.replay.segments.hosts import InProcessHost
@@ -234,3 +234,28 @@ def test_pool_processes_fork_from_one_server_that_imported_vllm(monkeypatch):
     assert "replayer.replay.segments.preload" in forkserver._forkserver._preload_modules
     assert hosts._pool_context(False).get_start_method() == "forkserver"
     assert hosts._pool_context(True).get_start_method() == "spawn"
+
+
+def test_a_pool_process_ends_when_its_head_is_killed():
+    """A head killed by a signal never closes its pool: its processes (and the fork
+    server) watch it and end within about a second (they replayed on for nobody)."""
+    import subprocess
+    import sys
+    import time
+
+    head = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    worker = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time\n"
+                               "from replayer.replay.segments.hosts import exit_when_gone\n"
+                               f"exit_when_gone({head.pid})\n"
+                               "time.sleep(60)\n"], cwd=str(REPO))
+    try:
+        time.sleep(1.5)
+        assert worker.poll() is None, "the worker ended while its head was alive"
+        head.kill()
+        head.wait()
+        assert worker.wait(timeout=10) == 1
+    finally:
+        for p in (head, worker):
+            if p.poll() is None:
+                p.kill()

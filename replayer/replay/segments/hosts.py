@@ -121,8 +121,28 @@ def _pinned_env(verbose: bool) -> dict[str, str]:
     return env
 
 
-def serve(conn: Any, verbose: bool) -> None:
-    """A pool process: answer calls from ``conn`` until it closes."""
+HEAD_ENV = "PREFIX_REPLAYER_SEGMENT_HEAD"
+
+
+def exit_when_gone(pid: int) -> None:
+    """End this process once ``pid`` (the head) is gone: a head killed by a signal
+    never closes its pool, and its processes would replay on for nobody."""
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+    threading.Thread(target=watch, daemon=True, name="replayer-head-watch").start()
+
+
+def serve(conn: Any, verbose: bool, head: int | None = None) -> None:
+    """A pool process: answer calls from ``conn`` until it closes (or the head dies)."""
+    if head is not None:
+        exit_when_gone(head)
     os.dup2(2, 1)                        # nothing printed here reaches the head's stdout
     from replayer.replay.execution.environment import quiet_vllm
 
@@ -146,7 +166,8 @@ def _slot_env(verbose: bool) -> Iterator[None]:
     """The environment a pool process (or its fork server) starts with: set, then
     restored (a child's environment is read when it starts)."""
     env = {**_pinned_env(verbose), "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))}
+        filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")])),
+        HEAD_ENV: str(os.getpid())}
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -166,7 +187,8 @@ class _PoolSlot:
         self.index = index
         parent, child = ctx.Pipe()
         with _slot_env(verbose):
-            self.process = ctx.Process(target=serve, args=(child, verbose), daemon=True,
+            self.process = ctx.Process(target=serve, args=(child, verbose, os.getpid()),
+                                       daemon=True,
                                        name=f"replayer-segment-{index}")
             self.process.start()
         child.close()

@@ -10,6 +10,7 @@ one import shared by both about half that (docs/benchmarks.md#time-segments).
 from __future__ import annotations
 
 import importlib
+import os
 
 from replayer.replay.engines import adapter_module_for, installed_vllm_version
 from replayer.replay.execution import in_process  # noqa: F401 - the replay loop
@@ -19,3 +20,9 @@ _version = installed_vllm_version()
 importlib.import_module(adapter_module_for(_version))
 if digest_module(_version) is not None:
     importlib.import_module(digest_module(_version))
+
+# In the fork server (started by the head, which it names): end with the head.
+if os.environ.get("PREFIX_REPLAYER_SEGMENT_HEAD") == str(os.getppid()):
+    from replayer.replay.segments.hosts import exit_when_gone
+
+    exit_when_gone(os.getppid())
