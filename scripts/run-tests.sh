@@ -121,12 +121,25 @@ real_master() {
   fi
 }
 
+# The release sources download while the first phases run (pip's downloads wait
+# on the network, not the cores; a test that needs a release first takes the same
+# file lock and waits for it). Phase 4 waits for it and prints what it said.
+RELEASES_LOG=$PREFIX_REPLAYER_RUNTIME_DIR/fetch-releases.log
+fetch_releases >"$RELEASES_LOG" 2>&1 &
+RELEASES_PID=$!
+wait_for_releases() {
+  local rc=0
+  wait "$RELEASES_PID" || rc=$?
+  cat "$RELEASES_LOG"
+  return "$rc"
+}
+
 # shellcheck disable=SC2086
 {
 pytest_phase "traces, command line, specs, step clock, golden updates, recorder writer, memory store (no vLLM replay)" $UNITS
 on_two_workers pytest_phase "replays on the installed vLLM 0.33.0 (store tests without a master included), on 2 xdist workers" $INSTALLED
 on_two_workers pytest_phase "recorder: round trips and kill -9, on 2 xdist workers" $RECORDER
-phase "fetch vLLM 0.29.0-0.33.0 release sources (once per cache, ~1.6 GB of downloads)" fetch_releases
+phase "fetch vLLM 0.29.0-0.33.0 release sources (once per cache, ~1.6 GB of downloads; started in the background with phase 1)" wait_for_releases
 on_two_workers pytest_phase "replays on vLLM releases and source trees, on 2 xdist workers" $ENGINES
 # Two xdist workers, tests dealt out one by one: each worker starts its own engine
 # processes for test_model_worker.py (its module fixture), and much of a
