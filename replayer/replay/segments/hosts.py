@@ -23,8 +23,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from replayer import SOURCE_ROOT
 from replayer.replay.execution.determinism import INTERPRETER_SEED
@@ -161,23 +160,15 @@ def serve(conn: Any, verbose: bool, head: int | None = None) -> None:
         slot.close()
 
 
-@contextmanager
-def _slot_env(verbose: bool) -> Iterator[None]:
-    """The environment a pool process (or its fork server) starts with: set, then
-    restored (a child's environment is read when it starts)."""
-    env = {**_pinned_env(verbose), "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")])),
-        HEAD_ENV: str(os.getpid())}
-    before = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def _slot_env(verbose: bool) -> Any:
+    """The environment a pool process (or its fork server) starts with, set for
+    the ``with`` block and restored after (a child reads it when it starts)."""
+    from unittest import mock
+
+    return mock.patch.dict(os.environ, {
+        **_pinned_env(verbose), HEAD_ENV: str(os.getpid()),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE_ROOT),
+                                                    os.environ.get("PYTHONPATH")]))})
 
 
 class _PoolSlot:

@@ -14,6 +14,7 @@ import os
 
 from replayer.replay.engines import adapter_module_for, installed_vllm_version
 from replayer.replay.execution import in_process  # noqa: F401 - the replay loop
+from replayer.replay.segments.hosts import HEAD_ENV, exit_when_gone
 from replayer.replay.segments.worker import digest_module
 
 _version = installed_vllm_version()
@@ -22,7 +23,5 @@ if digest_module(_version) is not None:
     importlib.import_module(digest_module(_version))
 
 # In the fork server (started by the head, which it names): end with the head.
-if os.environ.get("PREFIX_REPLAYER_SEGMENT_HEAD") == str(os.getppid()):
-    from replayer.replay.segments.hosts import exit_when_gone
-
+if os.environ.get(HEAD_ENV) == str(os.getppid()):
     exit_when_gone(os.getppid())
