@@ -7,6 +7,8 @@ network namespace, so nothing listens beyond the test.
 
 from __future__ import annotations
 
+import os
+
 import json
 import shutil
 import time
@@ -180,6 +182,10 @@ def test_store_that_cannot_start_is_a_one_line_error():
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "could not start the Mooncake client" in lines[0]
+    # The client log the line names is kept (the session's directory is removed
+    # only when no error points into it).
+    log = lines[0].split("client log: ")[1].rstrip(")")
+    assert os.path.exists(log), log
 
 
 # Run as root in a mount namespace of its own: the folder holding libibverbs.so.1
