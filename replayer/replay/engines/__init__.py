@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from replayer.replay.engines.base import (
     EngineAdapter,
@@ -54,10 +54,15 @@ STORE_ADAPTERS: dict[str, str] = {
 }
 
 
+def release_prefix(version: str, prefixes: Iterable[str]) -> str | None:
+    """The first of ``prefixes`` (``0.33``, ``0.33.1``) that release ``version``
+    falls under (``0.33`` covers ``0.33.0`` but not ``0.330``), or None."""
+    return next((p for p in prefixes if version == p or version.startswith(p + ".")), None)
+
+
 def check_connector(version: str, connector: str | None, label: str) -> None:
     """Refuse a connector trace on a release no store adapter serves (no vLLM import)."""
-    if connector and not any(version == p or version.startswith(p + ".")
-                             for p in STORE_ADAPTERS):
+    if connector and release_prefix(version, STORE_ADAPTERS) is None:
         served = ", ".join(f"{p}.x" for p in STORE_ADAPTERS)
         raise UnsupportedByEngine(f"{label}: connector replay ({connector}) is not supported "
                                   f"on vLLM {version} yet (its MooncakeStore API differs; "
@@ -88,10 +93,6 @@ def _release(version: str) -> tuple[int, int] | None:
         return None
 
 
-def _in(version: str, prefixes) -> bool:
-    return any(version == p or version.startswith(p + ".") for p in prefixes)
-
-
 def check_supported(version: str, engine: EngineBlock, label: str,
                     worker: str = "null") -> None:
     """Refuse, before vLLM is imported, a trace needing what release ``version``
@@ -102,8 +103,8 @@ def check_supported(version: str, engine: EngineBlock, label: str,
         from replayer.replay.worker.models import check_geometry
 
         check_geometry(engine, label)
-    if engine.has_mamba and engine.mamba_cache_mode == "all" and not _in(
-            version, MAMBA_CACHE_MODE_ALL):
+    if engine.has_mamba and engine.mamba_cache_mode == "all" and release_prefix(
+            version, MAMBA_CACHE_MODE_ALL) is None:
         served = ", ".join(f"{p}.x" for p in MAMBA_CACHE_MODE_ALL)
         raise UnsupportedByEngine(f"{label}: engine.mamba_cache_mode 'all' is not in vLLM "
                                   f"{version} (its CacheConfig takes align or none; 'all' "
@@ -120,8 +121,7 @@ def check_supported(version: str, engine: EngineBlock, label: str,
 def store_adapter(version: str, connector: str, label: str) -> Any:
     """The store adapter module serving ``version`` (refused as check_connector says)."""
     check_connector(version, connector, label)
-    prefix = next(p for p in STORE_ADAPTERS if version == p or version.startswith(p + "."))
-    return importlib.import_module(STORE_ADAPTERS[prefix])
+    return importlib.import_module(STORE_ADAPTERS[release_prefix(version, STORE_ADAPTERS)])
 
 
 def installed_vllm_version() -> str:
@@ -146,9 +146,9 @@ def supported_ranges() -> str:
 
 
 def adapter_module_for(version: str) -> str:
-    for prefix, module in ADAPTERS.items():
-        if version == prefix or version.startswith(prefix + "."):
-            return module
+    prefix = release_prefix(version, ADAPTERS)
+    if prefix is not None:
+        return ADAPTERS[prefix]
     raise EngineError(f"no adapter for vLLM {version} (supported release ranges: "
                       f"{supported_ranges()})")
 
