@@ -170,6 +170,8 @@ def test_cli_run_segments_says_and_writes_digests(tmp_path):
            "on a local process pool of 2" in proc.stderr
     assert "boundaries matched: 1 of 1; replayed again from the segment before: none" \
         in proc.stderr
+    assert "seconds per segment (start-up + warm-up + own range + finishing): 0: " \
+        in proc.stderr
     data = json.loads(out.read_text())
     [boundary] = data["segments"]["boundaries"]
     assert boundary["matched"] and boundary["exact"] == boundary["segment_started"]
@@ -177,6 +179,31 @@ def test_cli_run_segments_says_and_writes_digests(tmp_path):
     seq = _sequential("live_eagle", _trace("live_eagle"))
     del data["segments"]
     assert json.dumps(data, indent=2) + "\n" == dumps(seq)
+
+
+@pytest.mark.slow
+def test_time_paused_between_calls_is_no_replays():
+    """A worker waits, paused, for the head's next call: those seconds are not its
+    replay's (counted in, they made the exact path's own time, hence the speed-up
+    said, larger than it was wherever a boundary failed)."""
+    import time
+
+    from replayer.replay.segments.plan import Segment
+    from replayer.replay.segments.worker import SegmentWorker, trace_part
+
+    trace = _trace("live_eagle")
+    seg = Segment(0, 0, 161, 0)
+    worker = SegmentWorker(seg, trace_part(trace, seg, trace.sized_engine()))
+    try:
+        assert worker.begin()["start"] is None          # the first segment: no start digest
+        assert worker.run_on()["end"].point == 161
+        time.sleep(2.5)
+        rest = worker.extend(None)                      # the other ~100 steps: well under 1 s
+        assert rest["ended"] and rest["seconds"] < 2.5
+        time.sleep(2.5)
+        assert worker.finish().seconds < 2.5
+    finally:
+        worker.close()
 
 
 def test_plan_balances_work_and_starts_at_arrivals():

@@ -60,8 +60,11 @@ class SegmentReport:
     wall_s: float = 0.0
     sequential_s: float = 0.0         # the exact path's own replay time, start-up once
     host_s: float = 0.0               # starting the host's processes (in wall_s)
-    # Per segment that reached its end: start-up, warm-up and own-range seconds.
-    times: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    # Per segment whose outcomes count: start-up, warm-up, own-range (extensions
+    # into a dropped successor's range included) and finishing seconds (after its
+    # end boundary, until every arrival it owns has finished: the plan does not
+    # see this tail, so it shows here where a split came out uneven).
+    times: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def matched(self) -> list[int]:
@@ -88,8 +91,9 @@ class SegmentReport:
         out.append(f"{self.wall_s:.1f} s wall{host}; the exact path's own replay time "
                    f"{self.sequential_s:.1f} s: about {speed:.1f}x a sequential replay")
         if self.times:
-            out.append("seconds per segment (start-up + warm-up + to its end): " + ", ".join(
-                f"{k}: {a:.1f}+{b:.1f}+{c:.1f}" for k, (a, b, c) in sorted(self.times.items())))
+            out.append("seconds per segment (start-up + warm-up + own range + finishing): "
+                       + ", ".join(f"{k}: {a:.1f}+{b:.1f}+{c:.1f}+{d:.1f}"
+                                   for k, (a, b, c, d) in sorted(self.times.items())))
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -124,29 +128,36 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
     sized = trace.sized_engine()
     run = next(_REPLAYS)
     segs = plan.segments
-    calls: dict[int, Any] = {}
+    # Each segment's start digest is answered as soon as its warm-up ends (the
+    # boundary is checked then, and the segment before finishes its tail at once),
+    # while the segment replays on to its end boundary.
+    starts: dict[int, Any] = {}
+    ends: dict[int, Any] = {}
     for seg in segs:
         key = (run, seg.index)
         host.call(seg.index, key, "open", seg, trace_part(trace, seg, sized), spec, shortcuts)
-        calls[seg.index] = host.call(seg.index, key, "begin")
+        starts[seg.index] = host.call(seg.index, key, "begin")
+        ends[seg.index] = host.call(seg.index, key, "run_on")
     open_keys = {seg.index for seg in segs}
 
     def call(index: int, method: str, *args: Any):
         return host.call(index, (run, index), method, *args)
 
-    def timed(index: int, state: dict) -> None:
-        start = state["start"]
-        own = state["end"].seconds if state["end"] is not None else state.get("seconds", 0.0)
-        report.times[index] = (state["timings"]["startup_s"],
-                               0.0 if start is None else start.seconds, own)
+    def own_seconds(state: dict) -> float:
+        return state["end"].seconds if state["end"] is not None else state.get("seconds", 0.0)
+
+    def timed(index: int, started: dict, state: dict) -> None:
+        start = started["start"]
+        report.times[index] = [started["timings"]["startup_s"],
+                               0.0 if start is None else start.seconds, own_seconds(state), 0.0]
 
     try:
-        first = calls[0].result()
-        timed(0, first)
+        first = starts[0].result()
+        state = ends[0].result()
+        timed(0, first, state)
         owner = _Owner(0, 0, 0, 0, 0)
         owners = [owner]
         sequential = first["timings"]["startup_s"]
-        state = first
         b = 1
         while True:
             if state["ended"]:
@@ -156,8 +167,7 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
             sequential += end.seconds
             nxt = segs[b]
             try:
-                started = calls[b].result()
-                timed(b, started)
+                started = starts[b].result()
                 start: Boundary | None = started["start"]
                 note = None
             except Exception as exc:  # noqa: BLE001 - a segment that fails is replayed again
@@ -173,7 +183,8 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
                                owner.steps + end.steps - owner.own_steps,
                                owner.lookups + end.lookups - owner.own_lookups)
                 owners.append(owner)
-                state = started
+                state = ends[b].result()
+                timed(b, started, state)
             else:
                 if started is not None:
                     call(nxt.index, "close")
@@ -182,10 +193,13 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
                     say(f"segment {nxt.index}'s start did not match at step {nxt.start}: "
                         f"segment {owner.index} replays on into it")
                 state = call(owner.index, "extend", nxt.end).result()
+                report.times[owner.index][2] += own_seconds(state)
             b += 1
         owner.finished = call(owner.index, "finish")
         open_keys.discard(owner.index)
         outcomes: list[tuple[_Owner, SegmentOutcome]] = [(o, o.finished.result()) for o in owners]
+        for o, out in outcomes:
+            report.times[o.index][3] += out.seconds
     finally:
         for index in open_keys:
             try:

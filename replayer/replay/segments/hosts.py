@@ -2,7 +2,7 @@
 
 A host has a few slots (processes, or Ray actors), each running the calls sent
 to it one after another, in order: ``open`` a segment's worker from its part
-of the trace (shipped once), then ``begin``, ``extend``, ``finish`` or
+of the trace (shipped once), then ``begin``, ``run_on``, ``extend``, ``finish`` or
 ``close`` it. Every call returns a :class:`concurrent.futures.Future`, so the
 head waits for whichever answer it needs next, wherever it came from. A slot
 keeps its interpreter (vLLM imported once) for every replay of a command

@@ -2,11 +2,14 @@
 
 A :class:`SegmentWorker` builds its engine from its part of the trace (the
 arrivals from its warm-up on), replays to its start boundary and takes the
-state digest there, replays on to its end boundary, takes the digest again,
-and pauses. The head then tells it to :meth:`finish` (its successor matched:
-replay on until its own arrivals have finished, hand their outcomes back) or
-to :meth:`extend` into its successor's time (the successor did not match: this
-worker's state is the true one, so it goes on to the next boundary).
+state digest there (:meth:`begin`, answered at once, so the head can check
+that boundary while this worker goes on), then replays on to its end
+boundary, takes the digest again, and pauses (:meth:`run_on`). The head then
+tells it to :meth:`finish` (its successor matched: replay on until its own
+arrivals have finished, hand their outcomes back) or to :meth:`extend` into
+its successor's time (the successor did not match: this worker's state is the
+true one, so it goes on to the next boundary). Time spent paused, waiting for
+the head, is no replay's: each call's seconds start when the call does.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ DIGESTS = {"0.33": "replayer.replay.engines.digest_0_33"}
 
 
 def digest_module(version: str) -> str | None:
-    for prefix, module in DIGESTS.items():
-        if version == prefix or version.startswith(prefix + "."):
-            return module
-    return None
+    from replayer.replay.engines import release_prefix
+
+    prefix = release_prefix(version, DIGESTS)
+    return None if prefix is None else DIGESTS[prefix]
 
 
 def serial_reason(trace: Trace, spec: Any) -> str | None:
@@ -140,9 +143,8 @@ class SegmentWorker:
         return Boundary(point, run.clock, run.steps_run, counted["lookups"], digest, seconds)
 
     def begin(self) -> dict[str, Any]:
-        """Build the engine, replay to the start boundary (its digest), then to
-        the end boundary (its digest) and pause; the last segment replays to the
-        end of the trace."""
+        """Build the engine and replay to the start boundary: its digest (None
+        for the first segment, which starts where the sequential replay does)."""
         from replayer.replay.engines import EngineError
         from replayer.replay.execution.in_process import engine_here
         from replayer.replay.loop import ReplayRun
@@ -158,16 +160,20 @@ class SegmentWorker:
         self.timings["startup_s"] = time.perf_counter() - t0
         self._lap()
         self._run = ReplayRun(self.trace, self._engine, shortcuts=self.shortcuts)
-        out: dict[str, Any] = {"start": None, "end": None, "ended": False}
         seg = self.segment
+        start = None
         if not seg.first:
             if not self._run.run_to(seg.start):
                 raise RuntimeError(f"segment {seg.index} ended before its start "
                                    f"boundary {seg.start}")
-            out["start"] = self._boundary(seg.start)
-        out.update(self._to(seg.end))
-        out["timings"] = dict(self.timings)
-        return out
+            start = self._boundary(seg.start)
+        return {"start": start, "timings": dict(self.timings)}
+
+    def run_on(self) -> dict[str, Any]:
+        """From the start boundary on to the end boundary (its digest) and pause;
+        the last segment replays to the end of the trace."""
+        self._lap()
+        return self._to(self.segment.end)
 
     def _to(self, end: int | None) -> dict[str, Any]:
         if end is None:
@@ -180,11 +186,13 @@ class SegmentWorker:
 
     def extend(self, end: int | None) -> dict[str, Any]:
         """Own the next segment's arrivals too: replay on to ``end`` (None: the end)."""
+        self._lap()
         self.owned_end = end
         return self._to(end)
 
     def finish(self) -> SegmentOutcome:
         """Replay on until every owned arrival has finished; their outcomes."""
+        self._lap()
         run = self._run
         run.stop_after(None if self.owned_end is None else self._arrivals_before(self.owned_end))
         run.run_to(None)
