@@ -56,6 +56,10 @@ def request(op: str, timeout: float = 10.0, say_notes: bool = True, **fields: An
             sock.settimeout(START_S)
     except socket.timeout:
         raise ServerUnavailable(f"no answer within {timeout:g} s") from None
+    except ConnectionError:
+        # Connected while the server was stopping (its idle timeout, a stop):
+        # it closed the listening socket with this connection still queued.
+        raise ServerUnavailable("the server closed the connection") from None
     finally:
         sock.close()
 

@@ -114,8 +114,11 @@ class Server:
     def serve(self) -> None:
         while not self.stopping.is_set():
             ready, _, _ = select.select([self.sock, self._wake_r], [], [], 1.0)
-            if not ready:
-                self._check_idle()
+            # Checked on every pass, not only when a second goes by without a
+            # connection: status asked more often than that (a monitor, a test's
+            # poll) is not using the server and must not keep it up.
+            self._check_idle()
+            if not ready or self.stopping.is_set():
                 continue
             if self.sock not in ready:
                 continue                            # woken by stop()
