@@ -54,7 +54,13 @@ CONFIGS: dict[str, ServeConfig] = {c.name: c for c in (
                 # VllmConfig.__post_init__ after its handshake, after the
                 # scheduler was built with the hybrid's 256, and the align-mode
                 # split then cuts prefills on 128-token boundaries (896 + 128).
-                ("--mamba-cache-mode", "align", "--block-size", "256"),
+                # --mamba-ssm-cache-dtype bfloat16 given too: left at auto, the
+                # CPU platform keeps the model's bf16 on a CPU without AVX-512
+                # BF16 but resets it to float32 on one with it (for its GDN
+                # kernel), which doubles the Mamba page and aligns attention up
+                # to block 512: the same recording gave other hits per machine.
+                ("--mamba-cache-mode", "align", "--block-size", "256",
+                 "--mamba-ssm-cache-dtype", "bfloat16"),
                 max_model_len=2048, tokens_per_block=256, max_prompt=1024, requests=40,
                 doc="Qwen3-Next hybrid (3 GDN layers + 1 full attention, MoE), bf16, align "
                     "mode, block 256: every prompt shares its first block"),
