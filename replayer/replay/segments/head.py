@@ -144,7 +144,8 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
         return host.call(index, (run, index), method, *args)
 
     def own_seconds(state: dict) -> float:
-        return state["end"].seconds if state["end"] is not None else state.get("seconds", 0.0)
+        """A run_on's or extend's replay seconds, to its end boundary or the end."""
+        return state["seconds"] if state["ended"] else state["end"].seconds
 
     def timed(index: int, started: dict, state: dict) -> None:
         start = started["start"]
@@ -160,11 +161,10 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
         sequential = first["timings"]["startup_s"]
         b = 1
         while True:
+            sequential += own_seconds(state)
             if state["ended"]:
-                sequential += state.get("seconds", 0.0)
                 break
             end: Boundary = state["end"]
-            sequential += end.seconds
             nxt = segs[b]
             try:
                 started = starts[b].result()
@@ -199,7 +199,7 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
         open_keys.discard(owner.index)
         outcomes: list[tuple[_Owner, SegmentOutcome]] = [(o, o.finished.result()) for o in owners]
         for o, out in outcomes:
-            report.times[o.index][3] += out.seconds
+            report.times[o.index][3] = out.seconds
     finally:
         for index in open_keys:
             try:
