@@ -2,7 +2,7 @@
 
 For each geometry of ``replay_conversation.py`` it replays the first
 ``--limit`` conversation requests twice, each in a fresh process: under
-Python's own thresholds (``replayer.replay.execution.gc_tuning`` made a no-op) and as the
+Python's own thresholds (``replayer.replay.gc_tuning`` made a no-op) and as the
 replayer runs (thresholds raised while vLLM is imported and built and while
 the loop runs). It prints, for start-up (import and engine build) and for
 the loop apart, the collector's passes, the seconds spent inside them (wall,
@@ -57,7 +57,7 @@ class Passes:
 def _child(mode: str, trace_dir: str) -> dict:
     passes = Passes()          # before vLLM's import, which engine_here does
     quiet_child()
-    from replayer.replay.execution import gc_tuning
+    from replayer.replay import gc_tuning
 
     if mode == "python":       # the tuning keeps thresholds it would not raise
         python = gc.get_threshold()

@@ -25,7 +25,7 @@ from worker_agreement import fixture_paths  # noqa: E402
 from replayer.check.recompute import recompute_check  # noqa: E402
 from replayer.replay.engines.sources.specs import parse_spec, resolve  # noqa: E402
 from replayer.replay.execution.clients import cold_client  # noqa: E402
-from replayer.replay.worker.models import refusal  # noqa: E402
+from replayer.replay.engines.worker.models import refusal  # noqa: E402
 from traces import load_target  # noqa: E402
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from replayer.compare.workers import worker_differences  # noqa: E402
 from replayer.replay.engines.sources.specs import parse_spec, resolve  # noqa: E402
 from replayer.replay.execution.clients import cold_client  # noqa: E402
-from replayer.replay.worker.models import refusal  # noqa: E402
+from replayer.replay.engines.worker.models import refusal  # noqa: E402
 from traces import load_target  # noqa: E402
 
 

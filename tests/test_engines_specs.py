@@ -337,7 +337,7 @@ def test_each_release_and_tree_gets_a_vllm_cache_of_its_own(tmp_path, monkeypatc
     """vLLM's model-info cache is keyed by model class only: releases sharing one
     rewrote each other's files (a ~5 s inspection subprocess per replay)."""
     from replayer.replay.engines.sources.specs import ResolvedEngine
-    from replayer.replay.execution.child_process import engine_env
+    from replayer.replay.execution.environment import engine_env
 
     monkeypatch.setenv("PREFIX_REPLAYER_CACHE", str(tmp_path / "cache"))
     a = ResolvedEngine("vllm==0.29.0", EngineInfo("0.29.0", "release"), str(tmp_path / "a"))

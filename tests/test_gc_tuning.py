@@ -1,6 +1,6 @@
 """The replay loop runs with fewer garbage-collector passes, and that changes nothing.
 
-:mod:`replayer.replay.execution.gc_tuning` raises the young-generation threshold while
+:mod:`replayer.replay.gc_tuning` raises the young-generation threshold while
 :func:`replayer.replay.loop.replay` runs and restores it after, even when the replay
 fails; the outcomes are byte-identical to a loop under Python's own thresholds.
 """
@@ -13,7 +13,7 @@ import gc
 import pytest
 
 from conftest import TRACES
-from replayer.replay.execution.gc_tuning import REPLAY_GEN0_THRESHOLD, REPLAY_GEN2_THRESHOLD, fewer_gc_passes
+from replayer.replay.gc_tuning import REPLAY_GEN0_THRESHOLD, REPLAY_GEN2_THRESHOLD, fewer_gc_passes
 from replayer.replay.loop import ReplayError, replay
 from replayer.check.output import dumps
 from replayer.replay.execution.in_process import engine_here

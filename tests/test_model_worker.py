@@ -29,7 +29,7 @@ from replayer.compare.workers import worker_differences
 from replayer.replay.engines import EngineError
 from replayer.replay.engines.sources.specs import parse_spec, resolve
 from replayer.replay.execution.clients import cold_client
-from replayer.replay.worker.models import refusal
+from replayer.replay.engines.worker.models import refusal
 from traces import load_target, read_trace
 from traces.model.limits import MAX_GPU_BLOCKS
 from traces.scenarios.what_if import with_sets

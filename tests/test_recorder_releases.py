@@ -24,7 +24,7 @@ import pytest
 from conftest import STORE_SCENARIOS, cli
 from replayer.replay.engines.sources.releases import KNOWN_RELEASES
 from replayer.replay.engines.sources.specs import resolve
-from replayer.replay.execution.child_process import engine_env, write_overlay
+from replayer.replay.execution.environment import engine_env, write_overlay
 from replayer.recorder import releases
 
 RESEND = STORE_SCENARIOS / "resend_after_reset.yaml"

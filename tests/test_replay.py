@@ -244,7 +244,7 @@ def test_engine_that_cannot_hold_one_request_is_bad_input(tmp_path):
 def test_group_hits_explain_which_group_stopped_the_hit():
     """Sparse Mamba retention: attention alone could serve the shared system
     prompt, Mamba has no state there, so the hybrid hit is Mamba's."""
-    from replayer.check.output import explain_groups
+    from traces.model.gaps import explain_groups
 
     result = replay(load_target(SCENARIOS / "shared_system_prompt_hybrid.yaml"))
     assert result.kv_groups == [

@@ -260,7 +260,7 @@ def test_json_is_identical_across_backends_but_for_the_backend(tmp_path):
 def test_the_model_worker_stores_on_a_real_master_as_on_the_memory_store(master, serve_venv):
     # vLLM's own worker and runner (.venv-serve) put the bytes its model wrote and
     # load them back into its KV tensors, through the real Mooncake client. With
-    # EAGLE: the deferred save of a speculative step (replayer/replay/worker/store.py).
+    # EAGLE: the deferred save of a speculative step (replayer/replay/engines/worker/store.py).
     trace = load_target(FIXTURES / "traces" / "live_store_eagle")
     model = cold_client(resolve(parse_spec(str(serve_venv), "model")), own_process=True)
     held: set[str] = set()

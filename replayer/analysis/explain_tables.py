@@ -7,7 +7,7 @@ import os
 import polars as pl
 
 from replayer.analysis.explain import CAUSES, Explanation
-from replayer.check.output import explain_groups
+from traces.model.gaps import explain_groups
 from traces.io.atomic import write_atomic
 
 TABLE_ROWS = 20

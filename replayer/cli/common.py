@@ -160,7 +160,7 @@ def check_worker(trace, spec, where) -> None:
     engine process starts (the refusal needs no vLLM)."""
     if spec.worker != "model":
         return
-    from replayer.replay.worker.models import NotOnThisWorker, check_geometry
+    from replayer.replay.engines.worker.models import NotOnThisWorker, check_geometry
 
     try:
         check_geometry(trace.sized_engine(), "--worker model")

@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = COMMANDS[args.command].run(args)
         if args.command in REPLAY_COMMANDS:
             from replayer.cli.hints import warm_server_hint
-            from replayer.replay.execution.clients import COLD_STARTS
+            from replayer.replay.execution.cold_starts import COLD_STARTS
 
             warm_server_hint(COLD_STARTS)
         return code

@@ -32,7 +32,7 @@ def run(args) -> int:
                                    or args.replay_timeout or args.replay_memory):
         return error(f"server {args.action} takes no options")
     if args.action == "start":
-        from replayer.replay.execution.warm.server import DEFAULT_IDLE_TIMEOUT_S
+        from replayer.replay.execution.warm.protocol import DEFAULT_IDLE_TIMEOUT_S
 
         idle = DEFAULT_IDLE_TIMEOUT_S if args.idle_timeout is None else args.idle_timeout
         if idle <= 0 or (args.replay_timeout is not None and args.replay_timeout <= 0) \

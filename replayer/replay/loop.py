@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from replayer.replay.engines.base import EngineAdapter, EngineInfo, EngineRequest
-from replayer.replay.execution.gc_tuning import fewer_gc_passes
+from replayer.replay.gc_tuning import fewer_gc_passes
 from replayer.replay.schedule import Event, Schedule
 from traces import Trace
 from traces.model.materialize import TokenSource, request_rows

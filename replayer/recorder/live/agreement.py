@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from replayer.check.output import explain_gap, explain_groups
+from traces.model.gaps import explain_gap, explain_groups
 from replayer.recorder.live.client import read_client
 from traces.model.outcome import RequestOutcome
 from traces.model.trace import read_trace

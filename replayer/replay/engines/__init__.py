@@ -100,7 +100,7 @@ def check_supported(version: str, engine: EngineBlock, label: str,
     and, for the model worker, a geometry no tiny model here takes."""
     check_connector(version, engine.connector, label)
     if worker == "model":
-        from replayer.replay.worker.models import check_geometry
+        from replayer.replay.engines.worker.models import check_geometry
 
         check_geometry(engine, label)
     if engine.has_mamba and engine.mamba_cache_mode == "all" and release_prefix(

@@ -187,7 +187,7 @@ class CoreEngine(EngineAdapter):
         self._accepted: dict[tuple[str, int], int] | None = None
         self._verified: dict[str, int] = {}      # request -> steps with drafts verified
         self._outputs: dict[str, list[int]] = {}  # request id -> output tokens
-        # A real model runner (replayer.replay.worker) reports each forced token's
+        # A real model runner (replayer.replay.engines.worker) reports each forced token's
         # logprob; the null executor has none.
         self.wants_logprobs = getattr(executor_cls, "computes_logprobs", False)
         token = _BUILDING.set(self)

@@ -139,7 +139,7 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     ``SpeculativeConfig`` arguments, a ``KVTransferConfig``; ``kv_events`` turns
     vLLM's KV-cache events on, published to its null publisher, which
     :class:`CoreEngine` fronts with a collector (the ZMQ seam). ``worker``
-    (:class:`replayer.replay.worker.executor.ModelArgs`): a real model runs, the
+    (:class:`replayer.replay.engines.worker.executor.ModelArgs`): a real model runs, the
     tiny model of the trace's geometry with its seeded weights, in place of the
     null executor's hand-made layers."""
     spec = engine.speculative
@@ -156,7 +156,7 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     cache_args = dict(cache_args or cache_kwargs(engine))
     extra: dict[str, Any] = {}
     if worker is not None:
-        from replayer.replay.worker.weights import register
+        from replayer.replay.engines.worker.weights import register
 
         target, draft, dtype = worker.models.target, worker.models.draft, worker.models.dtype
         overrides["enforce_eager"] = True           # no compilation on a CPU replay

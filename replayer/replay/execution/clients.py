@@ -26,24 +26,11 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from replayer.replay.engines.base import EngineInfo
 from replayer.replay.engines.sources.specs import INSTALLED, EngineSpec, ResolvedEngine, resolve
+from replayer.replay.execution.cold_starts import note_cold_start
 from replayer.replay.loop import ReplayResult
 from traces import Trace
 
 Spec = str | EngineSpec | ResolvedEngine
-
-#: Seconds each cold replay of this process spent starting its engine (vLLM's
-#: import, on a client's first replay, and the engine build): what the CLI's
-#: once-only hint about the warm server reads (:mod:`replayer.cli.hints`).
-COLD_STARTS: list[float] = []
-
-
-def note_cold_start(result: ReplayResult) -> ReplayResult:
-    """Keep ``result``'s start-up time (a cold client's replay); returns it."""
-    seconds = result.timings.get("startup_s")
-    if seconds is not None:
-        COLD_STARTS.append(float(seconds))
-    return result
-
 
 class EngineClient(Protocol):
     """Replays traces on one engine: ``client(trace, progress=, store=,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 from replayer.replay.engines import EngineAdapter, open_engine
 from replayer.replay.engines.sources.specs import INSTALLED, EngineSpec, ResolvedEngine, resolve
 from replayer.replay.execution.determinism import engine_hash_seed
-from replayer.replay.execution.gc_tuning import fewer_gc_passes
+from replayer.replay.gc_tuning import fewer_gc_passes
 from replayer.replay.loop import Progress, ReplayResult, refuse_unsupported, replay
 from traces import Trace
 
@@ -50,11 +50,11 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
     resolved = resolve(spec)
     if resolved.worker == "model":
         # Triton's interpreter must be chosen before Triton is first imported
-        # (replayer.replay.worker.kernels); harmless where no kernel needs it.
+        # (replayer.replay.engines.worker.kernels); harmless where no kernel needs it.
         import os
         import sys
 
-        from replayer.replay.worker.kernels import interpreter_env
+        from replayer.replay.engines.worker.kernels import interpreter_env
 
         if "triton" not in sys.modules:
             os.environ.update(interpreter_env())

@@ -120,7 +120,7 @@ class StoreConnectorEngine(CoreEngine):
 
     ``config`` must name ``executor_cls`` as its executor backend:
     :class:`StoreAwareExecutor`, or on the model worker
-    :class:`replayer.replay.worker.store.StoreModelExecutor` (vLLM's own worker
+    :class:`replayer.replay.engines.worker.store.StoreModelExecutor` (vLLM's own worker
     creates and steps the connector there)."""
 
     def __init__(self, config: Any, layer_specs: dict[str, Any], version: str,

@@ -15,7 +15,7 @@ Four forms, accepted wherever an engine is chosen (``run``, ``check``,
 
 Each spec also says which worker runs the model (``worker``): ``null``, the
 null executor (the default), or ``model``, vLLM's own executor, worker and
-model runner over a tiny model (:mod:`replayer.replay.worker`). A model runs
+model runner over a tiny model (:mod:`replayer.replay.engines.worker`). A model runs
 only on a vLLM built for this machine, installed in some environment: not on a
 release's or a tree's sources overlaid on another build.
 

@@ -40,7 +40,7 @@ def start_if_wanted() -> bool:
             return paths.server_socket().exists()
         _tried = True
         from replayer.replay.execution.warm.control import start
-        from replayer.replay.execution.warm.server import DEFAULT_IDLE_TIMEOUT_S
+        from replayer.replay.execution.warm.protocol import DEFAULT_IDLE_TIMEOUT_S
 
         try:
             lines, code = start([], DEFAULT_IDLE_TIMEOUT_S, None, None)

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from replayer.replay.engines import EngineError, check_supported
-from replayer.replay.execution.child_process import stderr_fd
+from replayer.replay.execution.environment import stderr_fd
+from replayer.replay.execution.warm.protocol import PROTOCOL
 from replayer.replay.execution.warm import paths
 from replayer.replay.execution.warm.fingerprint import engine_fingerprint, environment_key
 from replayer.replay.execution.wire import AnswerLost, Job, encode, read_answer, recv, send
@@ -39,7 +40,6 @@ class ServerUnavailable(Exception):
 
 def request(op: str, timeout: float = 10.0, say_notes: bool = True, **fields: Any) -> Any:
     """One request to the server and its first answer (ping, status, stop, warm)."""
-    from replayer.replay.execution.warm.server import PROTOCOL
 
     sock = _connect(timeout)
     try:
@@ -133,7 +133,6 @@ class WarmClient:
                 self._cold = self._cold_factory()
 
     def _hello(self) -> dict[str, Any]:
-        from replayer.replay.execution.warm.server import PROTOCOL
 
         env = {**self._env_defaults, **os.environ}
         return {"protocol": PROTOCOL, "op": "replay", "engine": self.engine,

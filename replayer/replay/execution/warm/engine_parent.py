@@ -2,7 +2,7 @@
 
 Started by the warm server (:mod:`.server`) as ``python -m
 replayer.replay.execution.warm.engine_parent FD`` in the environment an engine
-process gets (:func:`replayer.replay.execution.child_process.engine_env`: the
+process gets (:func:`replayer.replay.execution.environment.engine_env`: the
 pinned interpreter hash seed, a release's or tree's sources first on
 ``sys.path``). On ``FD``, a SOCK_SEQPACKET socket to the server, it reads
 its engine, imports everything a replay imports (:func:`preload`), says it
@@ -307,7 +307,7 @@ def _child_main(engine: Any, request: dict[str, Any], conn_fd: int, err_fd: int,
         os.chdir(request["cwd"])
         # The client's environment, but for what makes this process the engine
         # it is: a release's overlay first on PYTHONPATH, the pinned seed and
-        # its own vLLM cache root (child_process.engine_env). (vLLM runs
+        # its own vLLM cache root (environment.engine_env). (vLLM runs
         # subprocesses, e.g. to inspect a model class; without the overlay they
         # would import the installed vLLM, not this release.)
         own = {k: os.environ[k] for k in ("PYTHONPATH", "PYTHONHASHSEED", "VLLM_CACHE_ROOT")
@@ -363,7 +363,7 @@ def main(ctrl_fd: int) -> int:
     from replayer.replay.execution.environment import quiet_vllm
 
     quiet_vllm(os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1")
-    from replayer.replay.execution.child_process import vllm_cache_root
+    from replayer.replay.execution.environment import vllm_cache_root
 
     root = vllm_cache_root(engine)      # set here too: a server started by older code
     if root is not None:                # builds this process's environment without it

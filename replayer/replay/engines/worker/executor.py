@@ -25,8 +25,8 @@ from vllm.v1.outputs import DraftTokenIds
 
 from replayer.replay.engines.base import EngineError
 from replayer.replay.engines.core_driver import _BUILDING
-from replayer.replay.worker.forced import ForcedTokens
-from replayer.replay.worker.models import WorkerModels, check_groups, worker_models
+from replayer.replay.engines.worker.forced import ForcedTokens
+from replayer.replay.engines.worker.models import WorkerModels, check_groups, worker_models
 from traces.model.engine_spec import EngineBlock
 
 # The share of this machine's free memory the KV cache may take.
@@ -60,7 +60,7 @@ def model_args(engine: EngineBlock, label: str) -> ModelArgs:
     models = worker_models(engine, label, cache_dir() / "models")
     hybrid_spec = engine.speculative is not None and engine.has_mamba
     if hybrid_spec:
-        from replayer.replay.worker.kernels import interpret_kernels, pack_index_args
+        from replayer.replay.engines.worker.kernels import interpret_kernels, pack_index_args
 
         interpret_kernels(label)
         pack_index_args()
