@@ -156,11 +156,9 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     cache_args = dict(cache_args or cache_kwargs(engine))
     extra: dict[str, Any] = {}
     if worker is not None:
-        from replayer.replay.engines.worker.weights import register
-
         target, draft, dtype = worker.models.target, worker.models.draft, worker.models.dtype
         overrides["enforce_eager"] = True           # no compilation on a CPU replay
-        extra["load_config"] = LoadConfig(load_format=register())
+        extra["load_config"] = LoadConfig(load_format=worker.load_format())
         cache_args["kv_cache_memory_bytes"] = worker.kv_cache_memory_bytes
         if engine.has_mamba:
             # The recurrent state in float32 (vLLM's --mamba-ssm-cache-dtype): in

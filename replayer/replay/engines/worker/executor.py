@@ -47,6 +47,13 @@ class ModelArgs:
     kv_cache_memory_bytes: int
     hybrid_speculative: bool
 
+    def load_format(self) -> str:
+        """vLLM's load format for the seeded weights (registering their loader
+        once): asked by the engine's config, which so needs nothing of the worker."""
+        from replayer.replay.engines.worker.weights import register
+
+        return register()
+
 
 def model_args(engine: EngineBlock, label: str) -> ModelArgs:
     """The tiny model for ``engine``, and the memory budget vLLM is told about.
