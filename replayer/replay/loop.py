@@ -296,6 +296,7 @@ class ReplayRun:
         accepted = recorded_accepted(trace)
         if accepted:
             engine.hold_accepted(accepted)
+        engine.ask_top_logprobs(trace.logprob_topk)
         events = trace.events.to_pylist() if trace.events is not None else []
         schedule = Schedule(rows.arrival_step, rows.after, events)
         n = len(rows.ids)
@@ -426,6 +427,10 @@ class ReplayRun:
                 if row is not None:
                     r = pending[row]
                     r.logprobs = (r.logprobs or []) + values
+            for rid, (top, prompt) in res.distributions.items():
+                row = live.get(rid)
+                if row is not None:
+                    pending[row].top_logprobs, pending[row].prompt_logprobs = top, prompt
             for rid in res.finished:
                 row = live.pop(rid, None)
                 if row is None:         # aborted by an event already

@@ -8,10 +8,38 @@ step clock. Everything that reads or prints an outcome reads this type.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 from traces.model.schema import OUTCOME_FIELDS
+
+
+@dataclass(frozen=True, eq=False)
+class TopLogprobs:
+    """The model's next-token distribution at consecutive positions of one request,
+    as vLLM reports it (``SamplingParams.logprobs`` / ``prompt_logprobs``): per row,
+    the token that came next and its logprob, and the K most likely tokens with
+    theirs. Rows are positions ``first``, ``first + 1``, ...: output rows count
+    output tokens (row 0 chose output token 0); prompt rows count prompt
+    positions (row ``i`` is the distribution after prompt token ``i``, which
+    chose prompt token ``i + 1``). Kept as arrays: a long prompt has a row per
+    token."""
+
+    first: int
+    tokens: np.ndarray              # int64 (rows,): the token that came next
+    token_logprobs: np.ndarray      # float32 (rows,): its logprob
+    top_ids: np.ndarray             # int64 (rows, K), most likely first
+    top_logprobs: np.ndarray        # float32 (rows, K)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"first": self.first, "tokens": self.tokens.tolist(),
+                "token_logprobs": self.token_logprobs.tolist(),
+                "top_ids": self.top_ids.tolist(), "top_logprobs": self.top_logprobs.tolist()}
 
 
 @dataclass(slots=True)
@@ -33,6 +61,11 @@ class RequestOutcome:
     # The model's logprob of each output token (forced to the trace's), where a
     # real model ran (replayer --worker model); None on the null executor.
     logprobs: list[float] | None = None
+    # The distributions ``check --recompute`` compares (asked of the model worker
+    # only; None otherwise): the top-K at each output token, and at each prompt
+    # position from the hit on (:class:`TopLogprobs`).
+    top_logprobs: TopLogprobs | None = field(default=None, compare=False)
+    prompt_logprobs: TopLogprobs | None = field(default=None, compare=False)
 
     def observed(self) -> dict[str, int | None]:
         """The prefill fields (:data:`OUTCOME_FIELDS`), as goldens name them."""
@@ -52,6 +85,10 @@ class RequestOutcome:
             del out["logprobs"]
         else:
             out["logprobs"] = list(self.logprobs)
+        for name in ("top_logprobs", "prompt_logprobs"):
+            value = out.pop(name)
+            if value is not None:
+                out[name] = value.as_dict()
         return out
 
 

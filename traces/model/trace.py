@@ -60,6 +60,10 @@ class Trace:
     # columns, left in its Parquet file and read batch by batch by the replay;
     # ``requests`` then holds its other columns only.
     request_lists: RequestLists | None = None
+    # Ask the model worker for the top-K logprobs at every output token and every
+    # prompt position after a hit (``check --recompute`` sets it on the replays it
+    # compares; -1: the whole vocabulary); None: the forced token's logprob only.
+    logprob_topk: int | None = None
 
     def __post_init__(self) -> None:
         # The header's engine block is always the typed, validated form.

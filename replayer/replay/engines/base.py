@@ -13,6 +13,7 @@ from typing import Any
 
 from replayer.replay.schedule import KeySelector
 from traces.goldens.kind import engine_key
+from traces.model.outcome import TopLogprobs
 
 
 class EngineError(RuntimeError):
@@ -63,6 +64,11 @@ class StepResult:
     # Logprob of each output token produced this step, per request (a real
     # model runner only; the null executor computes none).
     logprobs: dict[str, list[float]] = field(default_factory=dict)
+    # A finished request's distributions where the replay asked for them
+    # (:meth:`EngineAdapter.ask_top_logprobs`): (its output rows, its prompt rows
+    # from the hit on), each None where vLLM reported none.
+    distributions: dict[str, tuple[TopLogprobs | None, TopLogprobs | None]] = \
+        field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,13 @@ class EngineAdapter(ABC):
     def close(self) -> None: ...
 
     # -- capabilities, with the defaults of an adapter that lacks them ----------
+    def ask_top_logprobs(self, k: int | None) -> None:
+        """Report each request's top-``k`` logprobs at every output token and every
+        prompt position it computed (-1: the whole vocabulary; None: none), in
+        :attr:`StepResult.distributions`; an adapter that computes no logprobs
+        (the null executor) ignores it."""
+        return None
+
     def hold_accepted(self, accepted: dict[tuple[str, int], int]) -> None:
         """Accept only as many drafts per (request, i-th verification) as a recording did."""
         raise NotImplementedError(f"{type(self).__name__} cannot hold drafts to a recording")

@@ -45,6 +45,7 @@ from replayer.replay.engines.base import (
     StepResult,
 )
 from replayer.replay.engines.prefix_hashes import PrefixHashCache
+from replayer.replay.engines.top_logprobs import TopLogprobCollector
 
 
 # The CoreEngine whose EngineCore is being built: EngineCore constructs the
@@ -190,6 +191,8 @@ class CoreEngine(EngineAdapter):
         # A real model runner (replayer.replay.engines.worker) reports each forced token's
         # logprob; the null executor has none.
         self.wants_logprobs = getattr(executor_cls, "computes_logprobs", False)
+        # The top-K distributions a replay asked for (ask_top_logprobs), where it did.
+        self._top: TopLogprobCollector | None = None
         token = _BUILDING.set(self)
         try:
             # log_stats off: vLLM's per-step SchedulerStats, prefix-cache and
@@ -291,8 +294,11 @@ class CoreEngine(EngineAdapter):
     # -- the replay loop's interface -------------------------------------
     def add_request(self, request: EngineRequest) -> None:
         self._outputs[request.id] = request.output_tokens
+        logprobs: dict[str, Any] = {"logprobs": 0 if self.wants_logprobs else None}
+        if self._top is not None:
+            logprobs = self._top.sampling_args()
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0,
-                                detokenize=False, logprobs=0 if self.wants_logprobs else None)
+                                detokenize=False, **logprobs)
         ecr = EngineCoreRequest(
             request_id=request.id, prompt_token_ids=request.prompt_tokens, mm_features=None,
             sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
@@ -303,6 +309,8 @@ class CoreEngine(EngineAdapter):
         req, wave = self.core.preprocess_add_request(ecr)
         if request.id in self._evict_targets:
             self.evictor.track(req)
+        if self._top is not None:
+            self._top.added(request.id, req)
         self._on_preprocessed(req, request)
         self.core.add_request(req, wave)
 
@@ -326,10 +334,28 @@ class CoreEngine(EngineAdapter):
                 if out.new_logprobs is not None:
                     result.logprobs.setdefault(out.request_id, []).extend(
                         float(row[0]) for row in out.new_logprobs.logprobs)
+                if self._top is not None:
+                    self._collect_top(out, result)
                 if out.finish_reason is not None:
                     result.finished.append(out.request_id)
                     self._outputs.pop(out.request_id, None)
         return result
+
+    def ask_top_logprobs(self, k: int | None) -> None:
+        if self.wants_logprobs:
+            self._top = None if k is None else TopLogprobCollector(k)
+
+    def _collect_top(self, out: Any, result: StepResult) -> None:
+        """One output's distributions (:mod:`.top_logprobs`)."""
+        rid, top = out.request_id, self._top
+        if out.prefill_stats is not None:
+            top.prefilled(rid, out.prefill_stats.num_cached_tokens)
+        if out.new_logprobs is not None:
+            top.output_rows(rid, out.new_logprobs)
+        if out.new_prompt_logprobs_tensors is not None:
+            top.prompt_rows(rid, out.new_prompt_logprobs_tensors)
+        if out.finish_reason is not None:
+            result.distributions[rid] = top.finished(rid)
 
     def kv_event_rows(self) -> list[dict[str, Any]] | None:
         """The KV-cache events vLLM published, one row per block (None: events off)."""
@@ -378,6 +404,8 @@ class CoreEngine(EngineAdapter):
     def abort(self, request_id: str) -> None:
         self.core.abort_requests([request_id])
         self._outputs.pop(request_id, None)
+        if self._top is not None:
+            self._top.forget(request_id)
 
     def vllm_seconds(self) -> float:
         return self._schedule.seconds + self._update.seconds
