@@ -1,12 +1,17 @@
 """Benchmark: what ``check --recompute`` costs beside a plain model-worker replay.
 
 For each fixture the model worker runs (or those named), in one model-worker
-engine process on an environment's vLLM: the plain replay's wall seconds, the
-recompute's (every hit request replayed cold twice: the reference and the
-calibration), their ratio, the calibrated tolerance and threshold, and the
-verdicts. Prints a table and the totals.
+engine process on an environment's vLLM: the plain replay's wall seconds (the
+engine's default threads), the whole ``check --recompute``'s (the hit replay at
+one thread with its schedule logged, then every hit request replayed cold twice
+at one thread: the hit-shaped reference and the looser one), their ratio, the
+looser reference's tolerance and threshold, and the verdicts. With
+``--residue``, one line per hit: the contract it was held to and its largest
+difference from its hit-shaped reference in units in the last place of the
+model's compute dtype (what sets ``reference.RESIDUE_UNITS``). Prints a table
+and the totals.
 
-    python benchmarks/recompute_cost.py [--engine .venv-serve] [FIXTURE ...]
+    python benchmarks/recompute_cost.py [--engine .venv-serve] [--residue] [FIXTURE ...]
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from worker_agreement import fixture_paths  # noqa: E402
 
-from replayer.check.recompute import recompute_check  # noqa: E402
+from replayer.check.recompute import hit_replay, recompute_check  # noqa: E402
+from replayer.check.reference import unit  # noqa: E402
 from replayer.replay.engines.sources.specs import parse_spec, resolve  # noqa: E402
 from replayer.replay.execution.clients import cold_client  # noqa: E402
 from replayer.replay.engines.worker.models import refusal  # noqa: E402
@@ -33,6 +39,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("fixtures", nargs="*", type=Path)
     ap.add_argument("--engine", default=str(ROOT / ".venv-serve"))
+    ap.add_argument("--residue", action="store_true",
+                    help="one line per hit: its contract and difference in dtype units")
     args = ap.parse_args()
     paths = [p.resolve() for p in args.fixtures] or fixture_paths()
     traces = [(p, load_target(p)) for p in paths]
@@ -47,16 +55,22 @@ def main() -> int:
             result = client(trace)
             plain = time.perf_counter() - t
             t = time.perf_counter()
-            report = recompute_check(trace, result, client)
+            hits, log = hit_replay(trace, client)
+            report = recompute_check(trace, hits, client, log)
             extra = time.perf_counter() - t
             totals[0] += plain
-            totals[1] += plain + extra
+            totals[1] += extra
             wrong = len(report.wrong)
             verdict = "no hits" if not report.verdicts else (
                 f"{len(report.verdicts) - wrong} match" + (f", {wrong} WRONG" if wrong else ""))
-            print(f"{str(p.relative_to(ROOT)):52s} {plain:8.1f} {plain + extra:12.1f} "
-                  f"{(plain + extra) / plain:6.2f} {len(report.verdicts):5d} "
+            print(f"{str(p.relative_to(ROOT)):52s} {plain:8.1f} {extra:12.1f} "
+                  f"{extra / plain:6.2f} {len(report.verdicts):5d} "
                   f"{report.tolerance:10.3g} {report.threshold:10.3g}  {verdict}", flush=True)
+            if args.residue:
+                for v in report.verdicts:
+                    scale = max((abs(x) for x in hits.by_id()[v.id].logprobs or []), default=1.0)
+                    print(f"    {v.id}: {v.divergence / unit(scale, report.dtype):.0f} units "
+                          f"of {report.dtype} ({v.divergence:.3g}); {v.contract}", flush=True)
     finally:
         client.close()
     print(f"{'total':52s} {totals[0]:8.1f} {totals[1]:12.1f} {totals[1] / totals[0]:6.2f}")

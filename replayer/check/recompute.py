@@ -11,75 +11,112 @@ same model and the same engine geometry. Where the hit was right, both give the
 same logprobs up to the float rounding of a different prefill chunking; where
 it was wrong, they differ.
 
-The tolerance is measured, not guessed (:func:`calibrate`): the same cold
-recompute run a second time with another chunking (``max_num_batched_tokens``
-halved), and the largest logprob difference between the two on this
-machine. A hit resumes through other code (other chunk boundaries, a window's
-blocks skipped, another batch) whose float rounding is of the same size, a few
-float32 units in the last place of the logprob, so the threshold is
-:data:`MARGIN` times the tolerance, and never below :data:`FLOOR_ULPS` units in
-the last place of the largest logprob (two computations that happen to agree
-bit for bit measure 0). A hit whose logprobs differ from its recompute by more
-is a **wrong hit**, named with what served it (its hit, local or from the
-store, each group's own reach, the store keys loaded for it), the first output
-position that diverged and by how much.
+Each hit is held to its **hit-shaped reference** (:mod:`.reference`): the hit
+replay and every recompute run at one thread (:mod:`.chunk_cuts`), and the
+reference chunks each hit's prompt as the hit's own computation was chunked
+(the cached prefix as its writers chunked it, a chunk boundary where the hit
+resumes, the hit's own chunks after it). Where it reproduced every chunk the
+contract is **bit-exact**: any difference is a wrong hit. Where it could not
+(a writer's chunk ran past the hit's resume point), the threshold is the
+residue measured on right hits for the model's compute dtype
+(:data:`.reference.RESIDUE_UNITS`, in units in the last place of that dtype).
+Each verdict says which contract it used. Beside it, the **looser reference**:
+the cold run at the trace's own chunking, held to :data:`MARGIN` times the
+largest difference of the two cold chunkings, never below :data:`FLOOR_UNITS`
+units of the compute dtype. A hit past its contract is a **wrong hit**, named
+with what served it (its hit, local or from the store, each group's own reach,
+the store keys loaded for it), the first position that diverged and by how
+much.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from replayer.check.divergence import FLOOR_ULPS, MARGIN, max_diff, threshold_for
-from replayer.check.reference import calibrate
+from replayer.check.divergence import (
+    MARGIN,
+    Crossing,
+    DivergenceError,
+    compare,
+)
+from replayer.check.reference import (
+    RESIDUE_MEASURED,
+    RESIDUE_UNITS,
+    References,
+    ScheduleLog,
+    references,
+    unit,
+)
 from replayer.replay.loop import ReplayResult
 from traces import Trace
 
+# How many most likely tokens are compared at each position (--recompute-topk).
+TOPK = 20
+# The looser reference's threshold is never below this many units in the last place
+# of the compute dtype at the largest logprob (two cold runs may agree bit for bit).
+FLOOR_UNITS = 1
 
 
 @dataclass
 class Verdict:
-    """One hit request: its logprobs beside its recompute's."""
+    """One hit request: its distributions beside its recompute's."""
 
     id: str
     num_cached_tokens: int
     num_external_cached_tokens: int
-    divergence: float                  # largest |logprob - recompute's| over its outputs
-    first_position: int | None         # first output index beyond the tolerance
-    wrong: bool
+    divergence: float                  # the largest difference at any compared position
+    first: Crossing | None             # the first position past the threshold, and how
+    prompt_positions: int              # prompt positions compared (from the hit on)
+    output_tokens: int                 # output tokens compared
     group_hits: list[int] | None = None
     store_keys: list[dict[str, Any]] = field(default_factory=list)
+    contract: str = "bit-exact"        # what it was held to (:func:`contract`)
+    threshold: float = 0.0             # that contract's threshold
+    looser: float = 0.0                # largest difference from the looser reference
+    looser_wrong: bool = False         # past the looser reference's threshold
+
+    @property
+    def wrong(self) -> bool:
+        return self.first is not None
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "num_cached_tokens": self.num_cached_tokens,
                 "num_external_cached_tokens": self.num_external_cached_tokens,
-                "divergence": self.divergence, "first_position": self.first_position,
+                "divergence": self.divergence,
+                "first_divergence": None if self.first is None else self.first.as_dict(),
+                "prompt_positions": self.prompt_positions, "output_tokens": self.output_tokens,
                 "verdict": "wrong hit" if self.wrong else "matches recompute",
+                "contract": self.contract, "threshold": self.threshold,
+                "looser": {"divergence": self.looser,
+                           "verdict": "differs" if self.looser_wrong else "matches"},
                 **({"group_hits": self.group_hits} if self.group_hits is not None else {}),
                 **({"store_keys": self.store_keys} if self.store_keys else {})}
 
 
 @dataclass
 class RecomputeReport:
-    tolerance: float                   # the calibrated tolerance
-    calibration_chunks: tuple[int, int]
+    tolerance: float                   # the two cold chunkings' largest difference
+    looser_chunk: int                  # the looser reference's max_num_batched_tokens
     verdicts: list[Verdict]
-    threshold: float = 0.0
+    threshold: float = 0.0             # the looser reference's
+    topk: int = TOPK
+    dtype: str = "float32"             # the model's compute dtype
+    unit: float = 0.0                  # one unit of it at the largest logprob
 
     @property
     def wrong(self) -> list[Verdict]:
         return [v for v in self.verdicts if v.wrong]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"tolerance": self.tolerance, "threshold": self.threshold,
-                "calibration_max_num_batched_tokens": list(self.calibration_chunks),
+        return {"tolerance": self.tolerance, "threshold": self.threshold, "topk": self.topk,
+                "dtype": self.dtype, "unit": self.unit, "looser_max_num_batched_tokens": self.looser_chunk,
                 "hits": [v.as_dict() for v in self.verdicts]}
 
 
 def hit_requests(result: ReplayResult) -> list[str]:
-    """Requests that resumed from a cached prefix and produced tokens, in arrival order."""
-    return [r.id for r in result.requests
-            if (r.num_cached_tokens or 0) > 0 and r.logprobs and not r.aborted]
+    """Requests that resumed from a cached prefix (and were not aborted), in arrival order."""
+    return [r.id for r in result.requests if (r.num_cached_tokens or 0) > 0 and not r.aborted]
 
 
 def store_keys_loaded(result: ReplayResult, rid: str) -> list[dict[str, Any]]:
@@ -94,54 +131,110 @@ def store_keys_loaded(result: ReplayResult, rid: str) -> list[dict[str, Any]]:
             and r["result"] >= 0]
 
 
-def recompute_check(trace: Trace, result: ReplayResult,
-                    replay: Callable[[Trace], ReplayResult]) -> RecomputeReport:
-    """Every hit of ``result`` (a model-worker replay of ``trace``) held to its cold
-    recompute; ``replay`` replays a trace on the same engine and worker."""
-    ids = hit_requests(result)
-    if not ids:
-        return RecomputeReport(0.0, (0, 0), [])
-    arrivals = {r.id: r.arrival_step for r in result.requests}
-    cold, tolerance, chunks = calibrate(trace, ids, replay, arrivals)
-    served, recomputed = result.by_id(), cold.by_id()
-    largest = max((abs(x) for rid in ids for x in recomputed[rid].logprobs or []), default=1.0)
-    threshold = threshold_for(tolerance, largest)
+def asking_distributions(trace: Trace, topk: int = TOPK) -> Trace:
+    """``trace`` with the model worker asked for the top-``topk`` logprobs at every
+    position (what :func:`recompute_check` compares)."""
+    return replace(trace, logprob_topk=topk)
+
+
+def hit_replay(trace: Trace, replay: Callable[..., ReplayResult], topk: int = TOPK
+               ) -> tuple[ReplayResult, ScheduleLog]:
+    """The replay whose hits :func:`recompute_check` checks: asked for its
+    distributions, at one thread, its chunks logged (:mod:`.chunk_cuts`)."""
+    log = ScheduleLog()
+    hook, log.hit_path = log.hook()
+    try:
+        return replay(asking_distributions(trace, topk), recorder=hook), log
+    except BaseException:
+        log.close()
+        raise
+
+
+def contract(refs: References, rid: str, largest: float) -> tuple[str, float]:
+    """What ``rid`` is held to, said, and its threshold: bit for bit where its
+    reference reproduced every chunk, else the residue measured for the dtype."""
+    shape = refs.shapes[rid]
+    if shape.why is None:
+        return "bit-exact", 0.0
+    n = RESIDUE_UNITS[refs.dtype]
+    return (f"tolerance {n} units of {refs.dtype}, residue {RESIDUE_MEASURED} "
+            f"({shape.why})", n * unit(largest, refs.dtype))
+
+
+def recompute_check(trace: Trace, result: ReplayResult, replay: Callable[..., ReplayResult],
+                    log: ScheduleLog, topk: int = TOPK) -> RecomputeReport:
+    """Every hit of ``result`` (:func:`hit_replay`'s, whose schedule ``log`` holds)
+    held to its hit-shaped reference, and beside it to the looser one; ``replay``
+    replays a trace on the same engine and worker. Fails closed
+    (:class:`DivergenceError`): a hit the recompute lacks, or any comparison that
+    cannot be made."""
+    try:
+        ids = hit_requests(result)
+        if not ids:
+            return RecomputeReport(0.0, 0, [], topk=topk)
+        refs = references(trace, result, ids,
+                          lambda t, **kw: replay(asking_distributions(t, topk), **kw),
+                          log, log.hit_path)
+    finally:
+        log.close()
+    served, shaped, looser = result.by_id(), refs.shaped.by_id(), refs.looser.by_id()
+    missing = [rid for rid in ids if rid not in shaped or rid not in looser]
+    if missing:
+        raise DivergenceError(f"request {missing[0]!r} had a hit and is missing from its "
+                              f"recompute ({len(missing)} of {len(ids)} hit request(s) missing)")
+    largest = max((abs(x) for rid in ids for x in shaped[rid].logprobs or []), default=1.0)
+    loose = MARGIN * max(refs.tolerance, FLOOR_UNITS * unit(largest, refs.dtype))
     verdicts = []
     for rid in ids:
-        hit, ref = served[rid], recomputed[rid]
-        size, _, diffs = max_diff(hit.logprobs or [], ref.logprobs or [])
-        first = next((i for i, d in enumerate(diffs) if d > threshold), None)
+        hit = served[rid]
+        said, threshold = contract(refs, rid, largest)
+        d = compare(hit, shaped[rid], threshold)
+        far = compare(hit, looser[rid], loose).largest
         verdicts.append(Verdict(
-            rid, hit.num_cached_tokens or 0, hit.num_external_cached_tokens or 0, size, first,
-            first is not None, list(hit.group_hits) if hit.group_hits is not None else None,
-            store_keys_loaded(result, rid)))
-    return RecomputeReport(tolerance, chunks, verdicts, threshold)
+            rid, hit.num_cached_tokens or 0, hit.num_external_cached_tokens or 0, d.largest,
+            d.first, d.prompt_positions, d.output_tokens,
+            list(hit.group_hits) if hit.group_hits is not None else None,
+            store_keys_loaded(result, rid), said, threshold, far, far > loose))
+    return RecomputeReport(refs.tolerance, refs.chunk, verdicts, loose, topk, refs.dtype,
+                           unit(largest, refs.dtype))
 
 
 def report_lines(path: Any, report: RecomputeReport) -> list[str]:
     """What ``check --recompute`` prints after a target's golden lines."""
     n = len(report.verdicts)
-    head = (f"recompute: {n} hit(s) replayed cold; tolerance {report.tolerance:.3g} "
-            f"(the largest logprob difference of two cold computations at "
-            f"max_num_batched_tokens {report.calibration_chunks[0]} and "
-            f"{report.calibration_chunks[1]}), threshold {report.threshold:.3g} "
-            f"({MARGIN:g}x, at least {FLOOR_ULPS} float32 ulps)")
+    head = (f"recompute: {n} hit(s) replayed cold at one thread, each held to its "
+            f"hit-shaped reference (its chunks as the hit's computation had them); beside "
+            f"it the cold run at max_num_batched_tokens {report.looser_chunk}: tolerance "
+            f"{report.tolerance:.3g} (the two cold chunkings' largest difference), threshold "
+            f"{report.threshold:.3g} ({MARGIN:g}x, at least {MARGIN * FLOOR_UNITS:g} units "
+            f"of {report.dtype})")
     if not n:
         return [f"recompute: no request of {path} had a hit"]
     lines = [head]
     for v in report.verdicts:
         where = (f"{v.num_external_cached_tokens} of them from the store"
                  if v.num_external_cached_tokens else "local")
+        compared = (f"{v.prompt_positions} prompt position(s) after the hit and "
+                    f"{v.output_tokens} output token(s), {_topk(report.topk)}")
+        held = (f"{v.contract}; looser reference: "
+                f"{'differs' if v.looser_wrong else 'matches'}, {v.looser:.3g}")
         if not v.wrong:
             lines.append(f"  {v.id}: hit {v.num_cached_tokens} ({where}) matches its "
-                         f"recompute (largest difference {v.divergence:.3g})")
+                         f"recompute (largest difference {v.divergence:.3g} over {compared}; "
+                         f"{held})")
             continue
         groups = "" if v.group_hits is None else f"; each group alone: {v.group_hits}"
         shown = [f"group {k['group']} @ {k['boundary']}" for k in v.store_keys[:8]]
         more = len(v.store_keys) - len(shown)
         keys = "" if not v.store_keys else (
             f"; store keys loaded: {', '.join(shown)}" + (f" and {more} more" if more else ""))
+        past = ("any difference" if not v.threshold
+                else f"{v.divergence / v.threshold:.0f}x the threshold {v.threshold:.3g}")
         lines.append(f"  WRONG HIT {v.id}: hit {v.num_cached_tokens} ({where}) gives logprobs "
-                     f"{v.divergence:.3g} away from its recompute ({v.divergence / report.threshold:.0f}x "
-                     f"the threshold), first at output token {v.first_position}{groups}{keys}")
+                     f"{v.divergence:.3g} away from its recompute ({past}; {held}), first at "
+                     f"{v.first.said(report.topk)}{groups}{keys}")
     return lines
+
+
+def _topk(k: int) -> str:
+    return "the whole vocabulary" if k < 0 else f"top-{k}"

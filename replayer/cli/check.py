@@ -92,8 +92,15 @@ def run(args) -> int:
     reports = {}
     with engine_runner(engine) as run:              # one engine process for every target
         for path, trace in traces:
+            recompute = args.recompute or (trace.expect_recompute and args.worker == "model")
+            replay = lambda t, **kw: replay_target(t, args, run, **kw)  # noqa: E731
             try:
-                result = replay_target(trace, args, run)
+                if recompute:        # at one thread, its schedule logged (check.recompute)
+                    from replayer.check.recompute import hit_replay
+
+                    result, log = hit_replay(trace, replay)
+                else:
+                    result = replay(trace)
             except UnsupportedByEngine as exc:
                 print(f"SKIP {path}: {exc}")
                 continue
@@ -101,11 +108,10 @@ def run(args) -> int:
             if trace.expect_recompute and not args.recompute and args.worker == "null":
                 print(f"note: {path} expects every hit to match its recompute "
                       "(expect_recompute): checked with --worker model only")
-            if args.recompute or (trace.expect_recompute and args.worker == "model"):
+            if recompute:
                 from replayer.check.recompute import recompute_check, report_lines
 
-                report = recompute_check(trace, result,
-                                         lambda t: replay_target(t, args, run))
+                report = recompute_check(trace, result, replay, log)
                 print("\n".join(report_lines(path, report)), flush=True)
                 reports[str(path)] = report.as_dict()
                 if report.wrong:
