@@ -59,7 +59,7 @@ def run(args) -> int:
     check_outputs(args)
     paths = expand_targets(args.targets)
     # All bad input is reported before any replay.
-    traces = [(p, load_with_sets(p, args.set)) for p in paths]
+    traces = [(p, load_with_sets(p, args.set, allow_missing=args.allow_missing)) for p in paths]
     if args.set and args.update_golden:
         raise TraceError("--set", "goldens belong to the trace's own geometry "
                                   "(drop --update-golden)")

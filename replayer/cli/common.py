@@ -55,10 +55,18 @@ def engine_opts(sp: argparse.ArgumentParser, engine: bool = True) -> None:
                          "evicted first; mooncake: a pool that never evicts)")
 
 
-def set_opt(sp: argparse.ArgumentParser) -> None:
+def set_opt(sp: argparse.ArgumentParser, allow_missing: bool = True) -> None:
+    """``--set``, and (where the replay runs here) ``--allow-missing``: sweep's workers
+    load the target again, so it takes no ``--allow-missing``."""
     sp.add_argument("--set", action="append", default=[], metavar="engine.KEY=VALUE",
                     help="replay under another geometry: change one engine key (YAML "
                          "value; null removes it; repeatable), validated as a scenario's")
+    if not allow_missing:
+        return
+    sp.add_argument("--allow-missing", action="append", default=[], metavar="KEY",
+                    help="replay on a release that lacks this engine setting without it "
+                         "(else refused; the --json engine block lists it under dropped; "
+                         "repeatable), e.g. enable_mamba_shared_prefix_checkpoint")
 
 
 def write_output(dest: str | None, text: str) -> None:
@@ -180,12 +188,37 @@ def check_store_applies(args, traces) -> None:
                                 f"{'it has' if len(traces) == 1 else 'none has'} none")
 
 
-def load_with_sets(path, sets, stream=False):
-    """A target, replayed under ``--set`` changes when there are any; ``stream``:
-    its prompts left in the file for the replay to read in batches."""
+def load_with_sets(path, sets, stream=False, allow_missing=()):
+    """A target, replayed under ``--set`` changes when there are any, checked
+    again as the file was (:func:`validated_again`); ``stream``: its prompts
+    left in the file for the replay to read in batches; ``allow_missing``: the
+    settings a release lacking them may drop (``--allow-missing``)."""
+    from dataclasses import replace
+
     from traces.scenarios.what_if import with_sets
 
-    return with_sets(load_target(path, stream=stream), sets)
+    trace = load_target(path, stream=stream)
+    changed = with_sets(trace, sets)
+    if sets:
+        validated_again(changed, sets)
+    if allow_missing:
+        engine = changed.engine.allowing("--allow-missing", allow_missing)
+        changed = replace(changed, header={**changed.header, "engine": engine})
+    return changed
+
+
+def validated_again(trace, sets) -> None:
+    """The checks a trace's file gets beyond its engine block's (async scheduling,
+    prompts within ``max_model_len``, the KV blocks it would size, vocabulary...)
+    run on the trace under ``--set``: the same key refused the same way in the file
+    and on the command line. The error names the file and the ``--set``."""
+    from traces.model.validate import validate_trace
+
+    try:
+        validate_trace(Path(trace.path if trace.path is not None else "the trace"), trace)
+    except TraceError as exc:
+        raise TraceError(f"{exc.path} under --set {' '.join(sets)}", exc.message,
+                         column=exc.column, row=exc.row) from None
 
 
 def note_skipped(trace) -> None:

@@ -41,7 +41,7 @@ def run(args) -> int:
         return error("--top must be at least 0")
     check_segment_opts(args)
     start_workers_early(args, spec)
-    trace = load_with_sets(args.target, args.set)
+    trace = load_with_sets(args.target, args.set, allow_missing=args.allow_missing)
     check_worker(trace, spec, args.target)
     note_skipped(trace)
     store_spec(args)                        # a bad --store is reported before any replay

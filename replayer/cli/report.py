@@ -48,7 +48,7 @@ def run(args) -> int:
         if not isinstance(sweep, dict) or not isinstance(sweep.get("grid"), list) \
                 or not isinstance(sweep.get("rows"), list):
             raise TraceError(args.sweep, "not the --json of replayer sweep (grid, rows)")
-    trace = load_with_sets(args.target, args.set)
+    trace = load_with_sets(args.target, args.set, allow_missing=args.allow_missing)
     check_worker(trace, spec, args.target)
     note_skipped(trace)
     store_spec(args)

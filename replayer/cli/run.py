@@ -50,7 +50,8 @@ def run(args) -> int:
         return run_segmented(args, spec)
     here = runs_in_this_process(spec)
     # Replayed in this process: its prompts are read batch by batch.
-    trace = load_with_sets(args.target, args.set, stream=here)
+    trace = load_with_sets(args.target, args.set, stream=here,
+                           allow_missing=args.allow_missing)
     note_skipped(trace)
     check_worker(trace, spec, args.target)
     if args.store_ops and not trace.engine.connector:
@@ -93,7 +94,7 @@ def run_segmented(args, spec) -> int:
     from replayer.replay.segments import warm_up_steps
 
     start_workers_early(args, spec)
-    trace = load_with_sets(args.target, args.set)
+    trace = load_with_sets(args.target, args.set, allow_missing=args.allow_missing)
     note_skipped(trace)
     if args.store_ops and not trace.engine.connector:
         raise TraceError(args.target, "--store-ops needs a trace with engine.connector")

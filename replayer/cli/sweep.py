@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     sw.add_argument("--engine", default="installed", metavar="SPEC", help=ENGINE_HELP)
     sw.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
     no_server_opt(sw)
-    set_opt(sw)
+    set_opt(sw, allow_missing=False)
     segment_opts(sw, ray=False)
 
 

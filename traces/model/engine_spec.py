@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field, fields, replace
 from math import ceil
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from traces.model.errors import TraceError, reject_unknown_keys
 from traces.model.sizes import parse_size
@@ -181,6 +181,10 @@ class EngineBlock:
     # Lines saying which left-out settings sized_for chose because vLLM's own
     # default would be refused (said as notes on stderr, never in the JSON).
     chosen: tuple[str, ...] = field(default=(), repr=False, compare=False, hash=False)
+    # Settings the replay may drop on a release that lacks them (--allow-missing
+    # KEY, scenario keys such as speculative.disable_lookahead_block_hashes);
+    # never part of a header. Any other such setting is refused.
+    allow_missing: tuple[str, ...] = field(default=(), repr=False, compare=False, hash=False)
 
     # -- reading --------------------------------------------------------------
     @classmethod
@@ -191,6 +195,20 @@ class EngineBlock:
     def to_header(self) -> dict[str, Any]:
         """The block as a header or scenario holds it: only what was given."""
         return copy.deepcopy(dict(self.given))
+
+    def allowing(self, where: str, keys: Sequence[str]) -> "EngineBlock":
+        """A copy that may drop ``keys`` on a release lacking them (``--allow-missing``);
+        each must be a setting of the scenario format (``engine.`` prefix optional)."""
+        names = tuple(k.removeprefix("engine.") for k in keys)
+        for name in names:
+            top, _, sub = name.partition(".")
+            known = top in ENGINE_KEYS and (not sub or (top == "speculative"
+                                                       and sub in SPECULATIVE_KEYS))
+            if not known:
+                raise TraceError(f"{where} {name}", "not an engine setting of the scenario "
+                                 "format (e.g. enable_mamba_shared_prefix_checkpoint, "
+                                 "speculative.disable_lookahead_block_hashes)")
+        return replace(self, allow_missing=tuple(dict.fromkeys((*self.allow_missing, *names))))
 
     def with_settings(self, **changes: Any) -> "EngineBlock":
         """A copy with some keys set as if the header had said so (validated again)."""
@@ -272,12 +290,13 @@ def _accepted_budgets(block: EngineBlock, max_len: int) -> tuple[dict[str, int],
 
 
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+_NOT_KEYS = ("given", "chosen", "allow_missing")
 ENGINE_KEYS: dict[str, str] = {f.name: f.metadata["doc"] for f in fields(EngineBlock)
-                               if f.name not in ("given", "chosen")}
+                               if f.name not in _NOT_KEYS}
 SPECULATIVE_KEYS = tuple(f.name for f in fields(Speculative))
 GROUP_KEYS = tuple(f.name for f in fields(KvGroup))
 _TYPES = {f.name: f.metadata["types"] for f in fields(EngineBlock)
-          if f.name not in ("given", "chosen")}
+          if f.name not in _NOT_KEYS}
 _INT_KEYS = ("block_size", "prefix_match_unit", "max_num_batched_tokens", "max_num_seqs",
              "max_model_len", "num_gpu_blocks", "vocab_size", "long_prefill_token_threshold",
              "tensor_parallel_size", "decode_context_parallel_size")

@@ -78,4 +78,5 @@ def with_sets(trace: Trace, sets: Sequence[str] | None) -> Trace:
     """The trace replayed under the changed engine block (unchanged when no sets)."""
     if not sets:
         return trace
-    return replace(trace, header={**trace.header, "engine": apply_sets(trace.engine, sets)})
+    engine = replace(apply_sets(trace.engine, sets), allow_missing=trace.engine.allow_missing)
+    return replace(trace, header={**trace.header, "engine": engine})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -210,7 +211,7 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
         adapter.close()
         raise UnsupportedByEngine(f"{info.label}: KV-cache events are not collected on "
                                   f"vLLM {version} (its adapter lacks them)")
-    adapter.info = info
+    adapter.info = replace(info, dropped=tuple(adapter.dropped)) if adapter.dropped else info
     # Defaults the replayer chose where vLLM's would be refused are said first.
     adapter.notes = [*engine.chosen, *adapter.notes]
     return adapter

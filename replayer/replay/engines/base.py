@@ -89,6 +89,9 @@ class EngineInfo:
     commit: str | None = None
     dirty: bool | None = None
     worker: str = "null"
+    # Settings the trace set that this release lacks, replayed without them
+    # because --allow-missing named them (scenario keys); in the JSON when any.
+    dropped: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -116,6 +119,8 @@ class EngineInfo:
             out.update(path=self.path)
         if self.worker != "null":
             out.update(worker=self.worker)
+        if self.dropped:
+            out.update(dropped=list(self.dropped))
         return out
 
 
@@ -130,6 +135,8 @@ class EngineAdapter(ABC):
     #: One line per trace setting this release does not have, saying how it
     #: replays without it (older releases); said on stderr, never in the JSON.
     notes: list[str]
+    #: Trace settings this release lacks that ``--allow-missing`` let it drop.
+    dropped: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.notes = []

@@ -90,28 +90,135 @@ class LayerPlan:
     attention_chunk_size: int | None = None
 
 
+@dataclass(frozen=True)
+class Named:
+    """A scenario setting as one release spells it: the vLLM config class and field."""
+
+    config: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Lacking:
+    """A scenario setting a release does not have: it runs as if the setting were
+    ``behaves_as``; a trace that sets another value is refused there unless
+    ``--allow-missing`` names the key (:func:`dropped_settings`)."""
+
+    behaves_as: Any
+    why: str
+
+
+Mapping = dict[str, "Named | Lacking"]
+
+# Every engine setting of the scenario format that vLLM reads, by the newest
+# release's name (the key is the scenario's; speculative.* reach into the
+# speculative block). An adapter overrides the entries its releases spell
+# otherwise, or lack (vllm_0_29.release_settings); docs/engines.md shows the
+# table for every release (python -m replayer.replay.engines.settings_table).
+SETTINGS: Mapping = {
+    "block_size": Named("CacheConfig", "block_size"),
+    "prefix_match_unit": Named("CacheConfig", "prefix_match_unit"),
+    "prefix_cache_retention_interval": Named("CacheConfig", "prefix_cache_retention_interval"),
+    "mamba_cache_mode": Named("CacheConfig", "mamba_cache_mode"),
+    "enable_mamba_shared_prefix_checkpoint": Named("CacheConfig",
+                                                   "enable_mamba_shared_prefix_checkpoint"),
+    "enable_prefix_caching": Named("CacheConfig", "enable_prefix_caching"),
+    "prefix_caching_hash_algo": Named("CacheConfig", "prefix_caching_hash_algo"),
+    "num_gpu_blocks": Named("CacheConfig", "num_gpu_blocks_override"),
+    "max_model_len": Named("ModelConfig", "max_model_len"),
+    "max_num_batched_tokens": Named("SchedulerConfig", "max_num_batched_tokens"),
+    "max_num_seqs": Named("SchedulerConfig", "max_num_seqs"),
+    "enable_chunked_prefill": Named("SchedulerConfig", "enable_chunked_prefill"),
+    "long_prefill_token_threshold": Named("SchedulerConfig", "long_prefill_token_threshold"),
+    "async_scheduling": Named("SchedulerConfig", "async_scheduling"),
+    "scheduling_policy": Named("SchedulerConfig", "policy"),
+    "tensor_parallel_size": Named("ParallelConfig", "tensor_parallel_size"),
+    "decode_context_parallel_size": Named("ParallelConfig", "decode_context_parallel_size"),
+    "kv_load_failure_policy": Named("KVTransferConfig", "kv_load_failure_policy"),
+    "speculative.method": Named("SpeculativeConfig", "method"),
+    "speculative.num_speculative_tokens": Named("SpeculativeConfig", "num_speculative_tokens"),
+    "speculative.disable_lookahead_block_hashes": Named("SpeculativeConfig",
+                                                        "disable_lookahead_block_hashes"),
+}
+
 # CacheConfig / SchedulerConfig fields a trace may leave to vLLM (None), by
-# vLLM's names (the same in every release served; an adapter drops the ones
-# its release lacks).
+# scenario key; each is passed under the release's own name (SETTINGS).
 CACHE_KEYS = ("prefix_match_unit", "prefix_caching_hash_algo",
               "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint")
 SCHEDULER_KEYS = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
                   "long_prefill_token_threshold")
 
 
-def _set(engine: EngineBlock, keys: tuple[str, ...]) -> dict[str, Any]:
-    """The settings among ``keys`` the trace pins (the rest stay vLLM's defaults)."""
-    values = {k: getattr(engine, k) for k in keys}
-    return {k: (None if v == RETAIN_DENSE else v) for k, v in values.items() if v is not None}
+def given_value(engine: EngineBlock, key: str) -> tuple[bool, Any]:
+    """(whether the trace's engine block gives ``key``, its value); dotted keys
+    reach into mappings (``speculative.method``)."""
+    node: Any = engine.to_header()
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
 
 
-def cache_kwargs(engine: EngineBlock) -> dict[str, Any]:
-    """``CacheConfig`` arguments from a sized engine block (vLLM resolves the rest)."""
+def dropped_settings(engine: EngineBlock, settings: Mapping) -> list[str]:
+    """The keys the trace sets to a value its release cannot run (a
+    :class:`Lacking` entry whose ``behaves_as`` differs), in table order."""
+    out = []
+    for key, entry in settings.items():
+        given, value = given_value(engine, key)
+        if isinstance(entry, Lacking) and given and value != entry.behaves_as:
+            out.append(key)
+    return out
+
+
+def refuse_dropped(engine: EngineBlock, settings: Mapping, version: str) -> list[str]:
+    """The settings this release drops, each allowed by ``--allow-missing``
+    (``engine.allow_missing``); any other one is refused, in one line, so that no
+    golden comparison passes on a replay that ignored part of its trace."""
+    from replayer.replay.engines.base import UnsupportedByEngine
+
+    dropped = dropped_settings(engine, settings)
+    refused = [k for k in dropped if k not in engine.allow_missing]
+    if refused:
+        key = refused[0]
+        _, value = given_value(engine, key)
+        entry = settings[key]
+        raise UnsupportedByEngine(
+            f"vllm {version}: the trace sets engine.{key}: {_yaml(value)}, which vLLM "
+            f"{version} does not have ({entry.why}); refused rather than replayed without "
+            f"it (--allow-missing {key} replays without it, and the --json engine block "
+            "lists it under dropped)")
+    return dropped
+
+
+def _yaml(value: Any) -> str:
+    """A value as the scenario's YAML spells it."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
+
+
+def _set(engine: EngineBlock, keys: tuple[str, ...], settings: Mapping) -> dict[str, Any]:
+    """The settings among ``keys`` the trace pins (the rest stay vLLM's defaults),
+    under the release's own names; a key the release lacks is left out
+    (:func:`refuse_dropped` decided it may be)."""
+    out = {}
+    for k in keys:
+        v = getattr(engine, k)
+        entry = settings[k]
+        if v is not None and isinstance(entry, Named):
+            out[entry.name] = None if v == RETAIN_DENSE else v
+    return out
+
+
+def cache_kwargs(engine: EngineBlock, settings: Mapping = SETTINGS) -> dict[str, Any]:
+    """``CacheConfig`` arguments from a sized engine block (vLLM resolves the rest),
+    by the names of the release ``settings`` maps."""
     out: dict[str, Any] = {
         "block_size": engine.block_size,
         "enable_prefix_caching": engine.enable_prefix_caching,
         "num_gpu_blocks_override": engine.num_gpu_blocks,
-        **_set(engine, CACHE_KEYS),
+        **_set(engine, CACHE_KEYS, settings),
     }
     mamba_sizes = [g.block_size for g in engine.kv_groups if g.kind == "mamba"]
     if mamba_sizes:
@@ -124,7 +231,7 @@ def scheduler_kwargs(engine: EngineBlock) -> dict[str, Any]:
     """``SchedulerConfig`` arguments; async scheduling stays off in the replay."""
     return {"max_model_len": engine.max_model_len, "is_encoder_decoder": False,
             "async_scheduling": False, "policy": engine.scheduling_policy,
-            **_set(engine, SCHEDULER_KEYS)}
+            **_set(engine, SCHEDULER_KEYS, SETTINGS)}
 
 
 def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,

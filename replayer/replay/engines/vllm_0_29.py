@@ -19,9 +19,11 @@ reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
   ``disable_eagle_block_drop``, default off, which no trace sets). A trace that
   asks for lookahead hashes (the 0.33 default) replays with the drop, and a
   note says so.
-* **``CacheConfig.enable_mamba_shared_prefix_checkpoint``** exists from 0.31
-  on. On 0.29 and 0.30 a trace that turns it on replays without it, with a
-  note; one that leaves it off replays exactly.
+* **``CacheConfig.enable_mamba_shared_prefix_checkpoint``** is 0.31's name;
+  0.30 has the same flag as ``enable_mamba_fine_grained_prefix_cache`` (same
+  docstring, same use in its KV-cache manager), passed under that name; 0.29
+  has none, so a trace that turns it on is refused there unless
+  ``--allow-missing`` names it (:func:`release_settings`).
 * ``Executor.set_kv_cache_layout`` sends only the layout (0.33 adds the
   context-parallel interleave size); the null executor takes either.
 * **Connector replay** runs on all four through the store adapter
@@ -67,21 +69,49 @@ from replayer.replay.engines import check_connector, store_adapter
 from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.core_driver import CoreEngine, NullExecutor
 from replayer.replay.engines.engine_config import (
+    SETTINGS,
     LayerPlan,
+    Lacking,
+    Mapping,
+    Named,
     build_config,
     cache_kwargs,
+    given_value,
     plan_layers,
+    refuse_dropped,
 )
 from traces.model.engine_spec import EngineBlock
 
 VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
-SHARED_PREFIX_CHECKPOINT_SINCE = (0, 31)        # CacheConfig.enable_mamba_shared_prefix_checkpoint
 DTYPE = torch.float16
+
+NO_LOOKAHEAD = Lacking(True, "no lookahead block hashes: with EAGLE the trailing block is "
+                             "always dropped; disable_lookahead_block_hashes is 0.33's")
+# Each release's own spelling of the settings it has under another name, and
+# the ones it lacks (read from each wheel's vllm/config/*.py; tests/
+# test_settings_per_release.py checks every name against those sources).
+RELEASE_SETTINGS: dict[str, Mapping] = {
+    "0.29": {"enable_mamba_shared_prefix_checkpoint": Lacking(
+                 False, "no Mamba checkpoint at a shared-prefix junction; the flag came in "
+                        "0.30 as enable_mamba_fine_grained_prefix_cache"),
+             "speculative.disable_lookahead_block_hashes": NO_LOOKAHEAD},
+    "0.30": {"enable_mamba_shared_prefix_checkpoint": Named(
+                 "CacheConfig", "enable_mamba_fine_grained_prefix_cache"),
+             "speculative.disable_lookahead_block_hashes": NO_LOOKAHEAD},
+    "0.31": {"speculative.disable_lookahead_block_hashes": NO_LOOKAHEAD},
+    "0.32": {"speculative.disable_lookahead_block_hashes": NO_LOOKAHEAD},
+}
 
 
 def _minor(version: str) -> tuple[int, int]:
     major, minor = version.split(".")[:2]
     return int(major), int(minor)
+
+
+def release_settings(version: str) -> Mapping:
+    """Every scenario setting under release ``version``'s own name, or :class:`Lacking`."""
+    major, minor = _minor(version)
+    return {**SETTINGS, **RELEASE_SETTINGS[f"{major}.{minor}"]}
 
 
 def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
@@ -142,34 +172,33 @@ def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
     return {p.name: kv_spec(p, engine) for p in plan_layers(engine, DTYPE.itemsize)}
 
 
-def missing_settings(engine: EngineBlock, version: str) -> list[str]:
-    """One note per trace setting release ``version`` does not have."""
-    notes = []
+def missing_settings(engine: EngineBlock, version: str, dropped: list[str]) -> list[str]:
+    """One note per trace setting release ``version`` runs otherwise than 0.33:
+    the ones ``--allow-missing`` let it drop, vLLM 0.33's defaults it lacks,
+    and ``draft_group`` (a layer's place, which every release honours, but
+    without ``is_draft`` vLLM flags every group)."""
+    notes = [f"vLLM {version} has no engine.{key}: replayed without it (--allow-missing; "
+             "the --json engine block lists it under dropped)" for key in dropped]
     spec = engine.speculative
-    if spec is not None and not spec.disable_lookahead_block_hashes:
+    if spec is not None and not spec.disable_lookahead_block_hashes and not given_value(
+            engine, "speculative.disable_lookahead_block_hashes")[0]:
         notes.append(f"vLLM {version} has no lookahead block hashes: replayed with the EAGLE "
                      "drop on (engine.speculative.disable_lookahead_block_hashes is 0.33's)")
     if spec is not None and spec.draft_group is not None:
         notes.append(f"vLLM {version} has no is_draft: every KV-cache group is an EAGLE "
                      "group, so engine.speculative.draft_group only places the draft layer "
                      "(it is 0.33's)")
-    if (engine.enable_mamba_shared_prefix_checkpoint
-            and _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE):
-        notes.append(f"vLLM {version} has no enable_mamba_shared_prefix_checkpoint: "
-                     "replayed without it")
     return notes
 
 
 def build_vllm_config(engine: EngineBlock, version: str,
                       executor: type[NullExecutor] = NullExecutor,
                       kv_events: bool = False, worker: Any = None) -> VllmConfig:
-    """The shared config, less what these releases lack (see missing_settings): no
-    ``disable_lookahead_block_hashes`` before 0.33, no shared-prefix checkpoint
-    flag before 0.31; plus the store connector (``executor`` is then the
-    store adapter's store-aware one)."""
-    cache_args = cache_kwargs(engine)
-    if _minor(version) < SHARED_PREFIX_CHECKPOINT_SINCE:
-        cache_args.pop("enable_mamba_shared_prefix_checkpoint", None)
+    """The shared config under this release's names (:func:`release_settings`: no
+    ``disable_lookahead_block_hashes`` before 0.33, the shared-prefix checkpoint
+    flag under 0.30's name, none in 0.29); plus the store connector
+    (``executor`` is then the store adapter's store-aware one)."""
+    cache_args = cache_kwargs(engine, release_settings(version))
     kv_transfer = None
     if engine.connector:
         store = store_adapter(version, engine.connector, f"vllm {version}")
@@ -182,6 +211,7 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
                 recorder: Any = None, kv_events: bool = False,
                 worker: str = "null") -> CoreEngine:
     check_connector(version, engine.connector, f"vllm {version}")
+    dropped = refuse_dropped(engine, release_settings(version), version)
     if engine.speculative and any(g.kind == "chunked_local" for g in engine.kv_groups):
         # No is_draft: every group is an EAGLE group, and vLLM's chunked-local
         # lookup asserts the drop never reaches it.
@@ -222,5 +252,6 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
         except BaseException:
             core.close()
             raise
-    core.notes = missing_settings(engine, version)
+    core.notes = missing_settings(engine, version, dropped)
+    core.dropped = tuple(dropped)
     return core

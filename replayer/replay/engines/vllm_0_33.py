@@ -34,7 +34,14 @@ from vllm.v1.kv_cache_interface import (
 
 from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.core_driver import CoreEngine
-from replayer.replay.engines.engine_config import LayerPlan, build_config, plan_layers
+from replayer.replay.engines.engine_config import (
+    SETTINGS,
+    LayerPlan,
+    Mapping,
+    build_config,
+    plan_layers,
+    refuse_dropped,
+)
 from replayer.replay.engines.connector.mooncake_0_33 import (
     StoreAwareExecutor,
     StoreConnectorEngine,
@@ -45,6 +52,14 @@ from traces.model.engine_spec import EngineBlock
 
 VERSIONS = ("0.33",)          # release range this adapter serves
 DTYPE = torch.float16
+# 0.33 has every scenario setting under the name SETTINGS gives (read from its
+# vllm/config/*.py; tests/test_settings_per_release.py checks them).
+RELEASE_SETTINGS: dict[str, Mapping] = {"0.33": {}}
+
+
+def release_settings(version: str) -> Mapping:
+    """Every scenario setting under release ``version``'s own name."""
+    return {**SETTINGS, **RELEASE_SETTINGS[".".join(version.split(".")[:2])]}
 
 
 def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
@@ -147,6 +162,7 @@ class Vllm033Engine(StoreConnectorEngine):
 def open_engine(engine: EngineBlock, version: str, store=None,
                 recorder: Any = None, kv_events: bool = False,
                 worker: str = "null") -> CoreEngine:
+    refuse_dropped(engine, release_settings(version), version)    # none lacking in 0.33
     if worker == "model":
         return model_engine(engine, version, recorder, kv_events)
     return Vllm033Engine(engine, version, store=store, recorder=recorder,
