@@ -119,6 +119,44 @@ def test_physical_block_ids_change_nothing():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("plant", ["history", "unencodable"])
+def test_a_field_the_digest_was_not_told_of_fails_the_boundary(monkeypatch, plant):
+    """The digest walks vLLM's objects by structure: a field added to a manager
+    mid-replay is in it unasked. One whose value depends on the replay's history
+    differs at the boundary; one of a type the digest cannot encode is an error,
+    said once, and the boundary is not trusted. Without the plant, both boundaries
+    of live_eagle at K 3 match (test_ray_gives_the_sequential_bytes)."""
+    import functools
+
+    from replayer.replay.segments import worker as segment_worker
+
+    real = segment_worker.SegmentWorker._boundary
+
+    def planted(self, point):
+        group = self._engine.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+        group.planted = (self._run.steps_run if plant == "history"
+                         else functools.partial(max, point))
+        return real(self, point)
+
+    monkeypatch.setattr(segment_worker.SegmentWorker, "_boundary", planted)
+    trace = _trace("live_eagle")
+    said: list[str] = []
+    res, report = replay_segments(trace, InProcessHost(), 3, 50, say=said.append)
+    _assert_same(_sequential("live_eagle", trace), res)
+    assert len(report.checks) == 2 and report.matched == []
+    if plant == "history":
+        assert all(c.exact["kv_managers"] != c.started["kv_managers"] for c in report.checks)
+        assert all(c.exact["requests"] == c.started["requests"] for c in report.checks)
+    else:
+        assert all(c.exact is None and c.started is None for c in report.checks)
+        reason = [line for line in said if "cannot be taken" in line]
+        assert reason == ["the state digest cannot be taken (single_type_managers[0].planted: "
+                          "a functools.partial, which the state digest cannot encode): a "
+                          "boundary where it cannot is never trusted"]
+        assert all("functools.partial" in c.note for c in report.checks)
+
+
+@pytest.mark.slow
 def test_explain_over_segments_is_explain():
     from replayer.analysis.explain import explain
     from replayer.replay.execution.clients import replay_on
@@ -246,6 +284,14 @@ def test_cli_segment_options_are_checked():
     assert proc.returncode == 2 and "--segments: must be at least 1" in proc.stderr
     proc = cli_here("run", TRACES / "live_eagle", "--segments", "2", "--warm-up", "soon")
     assert proc.returncode == 2 and "'soon' is not a duration" in proc.stderr
+    # The model worker's runner state is not in the digest: refused, not run unproven.
+    import argparse
+
+    from replayer.cli.segmented import check_segment_opts
+
+    with pytest.raises(TraceError, match="--segments: not with --worker model"):
+        check_segment_opts(argparse.Namespace(segments=2, jobs=None, worker="model"))
+    check_segment_opts(argparse.Namespace(segments=1, jobs=None, worker="model"))
 
 
 def test_pool_processes_fork_from_one_server_that_imported_vllm(monkeypatch):

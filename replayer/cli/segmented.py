@@ -46,6 +46,10 @@ def check_segment_opts(args) -> None:
         raise TraceError("--segments", "must be at least 1")
     if getattr(args, "jobs", None) is not None and args.jobs < 1:
         raise TraceError("--jobs", "must be at least 1")
+    if args.segments > 1 and getattr(args, "worker", "null") == "model":
+        raise TraceError("--segments", "not with --worker model: a boundary is proven by the "
+                                       "engine's state digest, which does not read a model "
+                                       "runner's state")
 
 
 def start_workers_early(args, spec: Any) -> None:

@@ -125,92 +125,148 @@ def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
     host_s, host.startup_s = getattr(host, "startup_s", 0.0), 0.0
     plan = plan_segments(trace, segments, warm_up, warm_up_text)
     report = SegmentReport(plan, host.describe(), host_s=host_s)
-    sized = trace.sized_engine()
-    run = next(_REPLAYS)
-    segs = plan.segments
-    # Each segment's start digest is answered as soon as its warm-up ends (the
-    # boundary is checked then, and the segment before finishes its tail at once),
-    # while the segment replays on to its end boundary.
-    starts: dict[int, Any] = {}
-    ends: dict[int, Any] = {}
-    for seg in segs:
-        key = (run, seg.index)
-        host.call(seg.index, key, "open", seg, trace_part(trace, seg, sized), spec, shortcuts)
-        starts[seg.index] = host.call(seg.index, key, "begin")
-        ends[seg.index] = host.call(seg.index, key, "run_on")
-    open_keys = {seg.index for seg in segs}
-
-    def call(index: int, method: str, *args: Any):
-        return host.call(index, (run, index), method, *args)
-
-    def own_seconds(state: dict) -> float:
-        """A run_on's or extend's replay seconds, to its end boundary or the end."""
-        return state["seconds"] if state["ended"] else state["end"].seconds
-
-    def timed(index: int, started: dict, state: dict) -> None:
-        start = started["start"]
-        report.times[index] = [started["timings"]["startup_s"],
-                               0.0 if start is None else start.seconds, own_seconds(state), 0.0]
-
+    proof = _Proof(host, plan.segments, report, say)
+    proof.start(trace, trace.sized_engine(), spec, shortcuts)
     try:
-        first = starts[0].result()
-        state = ends[0].result()
-        timed(0, first, state)
-        owner = _Owner(0, 0, 0, 0, 0)
-        owners = [owner]
-        sequential = first["timings"]["startup_s"]
-        b = 1
-        while True:
-            sequential += own_seconds(state)
-            if state["ended"]:
-                break
-            end: Boundary = state["end"]
-            nxt = segs[b]
-            try:
-                started = starts[b].result()
-                start: Boundary | None = started["start"]
-                note = None
-            except Exception as exc:  # noqa: BLE001 - a segment that fails is replayed again
-                started, start, note = None, None, f"failed: {exc}"
-            matched = start is not None and start.digest["total"] == end.digest["total"]
-            report.checks.append(BoundaryCheck(nxt.index, nxt.start, end.digest,
-                                               None if start is None else start.digest,
-                                               matched, note))
-            if matched:
-                owner.finished = call(owner.index, "finish")
-                open_keys.discard(owner.index)
-                owner = _Owner(nxt.index, start.steps, start.lookups,
-                               owner.steps + end.steps - owner.own_steps,
-                               owner.lookups + end.lookups - owner.own_lookups)
-                owners.append(owner)
-                state = ends[b].result()
-                timed(b, started, state)
-            else:
-                if started is not None:
-                    call(nxt.index, "close")
-                open_keys.discard(nxt.index)
-                if say is not None:
-                    say(f"segment {nxt.index}'s start did not match at step {nxt.start}: "
-                        f"segment {owner.index} replays on into it")
-                state = call(owner.index, "extend", nxt.end).result()
-                report.times[owner.index][2] += own_seconds(state)
-            b += 1
-        owner.finished = call(owner.index, "finish")
-        open_keys.discard(owner.index)
-        outcomes: list[tuple[_Owner, SegmentOutcome]] = [(o, o.finished.result()) for o in owners]
-        for o, out in outcomes:
-            report.times[o.index][3] = out.seconds
+        sequential = proof.prove_boundaries()
+        outcomes = proof.finish()
     finally:
-        for index in open_keys:
-            try:
-                call(index, "close").result()
-            except Exception:  # noqa: BLE001 - closing what is left; the error above counts
-                pass
+        proof.close_the_rest()
     report.wall_s = time.perf_counter() - t0 + host_s
     # Where the host imported vLLM once for every segment, a sequential replay pays that too.
     report.sequential_s = sequential + (host_s if getattr(host, "imports_vllm_once", False)
                                         else 0.0)
     return assemble(outcomes), report
+
+
+def _own_seconds(state: dict) -> float:
+    """A run_on's or extend's replay seconds, to its end boundary or the end."""
+    return state["seconds"] if state["ended"] else state["end"].seconds
+
+
+class _Proof:
+    """One segmented replay's walk over its boundaries, in order, on ``host``."""
+
+    def __init__(self, host: Any, segs: list[Any], report: SegmentReport,
+                 say: Callable[[str], None] | None) -> None:
+        self.host = host
+        self.run = next(_REPLAYS)
+        self.segs = segs
+        self.report = report
+        self.say = say
+        self.starts: dict[int, Any] = {}
+        self.ends: dict[int, Any] = {}
+        self.open: set[int] = set()
+        self.owners: list[_Owner] = []
+        self._said: set[str] = set()
+
+    def call(self, index: int, method: str, *args: Any):
+        return self.host.call(index, (self.run, index), method, *args)
+
+    def start(self, trace: Trace, sized: Any, spec: Any, shortcuts: bool) -> None:
+        """Every segment at once. Each one's start digest is answered as soon as its
+        warm-up ends (the boundary is checked then, and the segment before finishes
+        its tail at once), while the segment replays on to its end boundary."""
+        for seg in self.segs:
+            self.call(seg.index, "open", seg, trace_part(trace, seg, sized), spec, shortcuts)
+            self.starts[seg.index] = self.call(seg.index, "begin")
+            self.ends[seg.index] = self.call(seg.index, "run_on")
+            self.open.add(seg.index)
+
+    def _timed(self, index: int, started: dict, state: dict) -> None:
+        start = started["start"]
+        self.report.times[index] = [started["timings"]["startup_s"],
+                                    0.0 if start is None else start.seconds,
+                                    _own_seconds(state), 0.0]
+
+    def prove_boundaries(self) -> float:
+        """Each boundary in order: the next segment's outcomes count, or the worker
+        holding the true state replays on into its range. The exact path's own
+        replay seconds, one start-up included."""
+        first = self.starts[0].result()
+        state = self.ends[0].result()
+        self._timed(0, first, state)
+        owner = _Owner(0, 0, 0, 0, 0)
+        self.owners.append(owner)
+        sequential = first["timings"]["startup_s"]
+        b = 1
+        while True:
+            sequential += _own_seconds(state)
+            if state["ended"]:
+                return sequential
+            end: Boundary = state["end"]
+            check, started, start = self._check(b, end)
+            if check.matched:
+                owner, state = self._hand_over(owner, b, end, started, start)
+            else:
+                state = self._replay_on(owner, check, started)
+            b += 1
+
+    def _check(self, b: int, end: Boundary) -> tuple[BoundaryCheck, Any, Boundary | None]:
+        """Boundary ``b``: the exact path's digest there against segment ``b``'s start."""
+        nxt = self.segs[b]
+        try:
+            started = self.starts[b].result()
+            start: Boundary | None = started["start"]
+            note = None
+        except Exception as exc:  # noqa: BLE001 - a segment that fails is replayed again
+            started, start, note = None, None, f"failed: {exc}"
+        unreadable = end.unreadable or (start.unreadable if start is not None else None)
+        if unreadable:
+            note = f"the state digest cannot be taken: {unreadable}"
+        matched = (start is not None and start.digest is not None and end.digest is not None
+                   and start.digest["total"] == end.digest["total"])
+        check = BoundaryCheck(nxt.index, nxt.start, end.digest,
+                              None if start is None else start.digest, matched, note)
+        self.report.checks.append(check)
+        if unreadable and self.say is not None and unreadable not in self._said:
+            self._said.add(unreadable)
+            self.say(f"the state digest cannot be taken ({unreadable}): a boundary where "
+                     "it cannot is never trusted")
+        return check, started, start
+
+    def _hand_over(self, owner: _Owner, b: int, end: Boundary, started: dict,
+                   start: Boundary) -> tuple[_Owner, dict]:
+        """A matched boundary: the owner finishes its arrivals, segment ``b`` owns on."""
+        owner.finished = self.call(owner.index, "finish")
+        self.open.discard(owner.index)
+        nxt = _Owner(b, start.steps, start.lookups,
+                     owner.steps + end.steps - owner.own_steps,
+                     owner.lookups + end.lookups - owner.own_lookups)
+        self.owners.append(nxt)
+        state = self.ends[b].result()
+        self._timed(b, started, state)
+        return nxt, state
+
+    def _replay_on(self, owner: _Owner, check: BoundaryCheck, started: dict | None) -> dict:
+        """A boundary not proven: its segment is dropped, the owner replays on into it."""
+        nxt = self.segs[check.index]
+        if started is not None:
+            self.call(nxt.index, "close")
+        self.open.discard(nxt.index)
+        if self.say is not None:
+            self.say(f"segment {nxt.index}'s start did not match at step {nxt.start}: "
+                     f"segment {owner.index} replays on into it")
+        state = self.call(owner.index, "extend", nxt.end).result()
+        self.report.times[owner.index][2] += _own_seconds(state)
+        return state
+
+    def finish(self) -> list[tuple[_Owner, SegmentOutcome]]:
+        """The last owner finishes; every owner's outcomes, in order."""
+        last = self.owners[-1]
+        last.finished = self.call(last.index, "finish")
+        self.open.discard(last.index)
+        outcomes = [(o, o.finished.result()) for o in self.owners]
+        for o, out in outcomes:
+            self.report.times[o.index][3] = out.seconds
+        return outcomes
+
+    def close_the_rest(self) -> None:
+        for index in self.open:
+            try:
+                self.call(index, "close").result()
+            except Exception:  # noqa: BLE001 - closing what is left; the error above counts
+                pass
 
 
 def assemble(parts: list[tuple[_Owner, SegmentOutcome]]) -> ReplayResult:

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from replayer.replay.engines.digest_walk import DigestError
 from replayer.replay.segments.plan import Segment
 from traces import Trace
 from traces.model.outcome import RequestOutcome
@@ -45,6 +46,8 @@ def serial_reason(trace: Trace, spec: Any) -> str | None:
     from replayer.replay.segments.plan import why_serial
 
     engine = resolve(spec)
+    if engine.info.worker == "model":
+        return "the state digest does not read a model runner's state"
     if not engine.runs_here():
         return f"{engine.info.label} replays in a process of its own"
     if digest_module(engine.info.vllm) is None:
@@ -60,8 +63,9 @@ class Boundary:
     clock: int                     # the clock when the loop reached it
     steps: int                     # engine steps this worker had run
     lookups: int                   # prefix lookups this worker's engine had made
-    digest: dict[str, str]
+    digest: dict[str, str] | None  # None: the state held a value the digest cannot encode
     seconds: float                 # replay seconds since the previous pause
+    unreadable: str | None = None  # then, what it was (the boundary is not trusted)
 
 
 @dataclass
@@ -137,10 +141,14 @@ class SegmentWorker:
         run = self._run
         loop = {"clock": run.clock, "idle": run.idle, "since_progress": run.since_progress}
         seconds = self._lap()
-        digest = self._digest(self._engine, loop)
+        try:
+            digest, unreadable = self._digest(self._engine, loop), None
+        except DigestError as exc:
+            digest, unreadable = None, str(exc)
         counted = self._counters(self._engine)
         self._lap()                           # the digest's own time is not the replay's
-        return Boundary(point, run.clock, run.steps_run, counted["lookups"], digest, seconds)
+        return Boundary(point, run.clock, run.steps_run, counted["lookups"], digest, seconds,
+                        unreadable)
 
     def begin(self) -> dict[str, Any]:
         """Build the engine and replay to the start boundary: its digest (None
