@@ -17,6 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
+
 from replayer.replay.engines.sources.specs import INSTALLED
 from replayer.replay.execution.clients import replay_on
 from replayer.replay.loop import ReplayResult
@@ -93,25 +95,67 @@ def load_shifted(recorded: Trace, fresh: Trace) -> int:
     return sum(1 for rid in a if a[rid] != b.get(rid))
 
 
-def compare(recorded: Trace, fresh: Trace) -> list[str]:
-    """Differences between a recording and a replay of it, one line each."""
-    diffs: list[str] = []
+def upto(table, cut: int | None, col: str = "step"):
+    """``table``'s rows of steps up to ``cut`` (all of them when ``cut`` is None)."""
+    if table is None or cut is None or col not in table.column_names:
+        return table
+    return table.filter(pc.less_equal(table[col], cut))
+
+
+def whole_outcomes(trace: Trace, cut: int | None) -> dict[str, tuple]:
+    """Outcome rows compared: all of them, or in a recording cut short those its
+    tables hold whole (carried by a step up to the cut, the request's own row kept)."""
     cols = ("id", *OUTCOME_FIELDS)
-    want = {r[0]: r for r in _rows(recorded.outcomes, cols)}
-    got = {r[0]: r for r in _rows(fresh.outcomes, cols)}
+    rows = {r[0]: r for r in _rows(upto(trace.outcomes, cut), cols)}
+    if cut is not None:
+        known = set(trace.requests["id"].to_pylist())
+        rows = {rid: r for rid, r in rows.items() if rid in known}
+    return rows
+
+
+def cut_requests(recorded: Trace) -> list[str]:
+    """Requests a recording cut short does not hold whole: every id it has a row of
+    (request, step or outcome) whose outcome is not compared."""
+    if recorded.cut_step is None:
+        return []
+    ids: set[str] = set(recorded.requests["id"].to_pylist())
+    for table in (recorded.outcomes, recorded.steps):
+        if table is not None:
+            ids.update(table["id"].to_pylist())
+    return sorted(ids - whole_outcomes(recorded, recorded.cut_step).keys())
+
+
+def cut_line(recorded: Trace) -> str:
+    """The one line on a recording cut short: from which step, and how many
+    requests the check left out or compared only up to it."""
+    lost = cut_requests(recorded)
+    gone = set(lost)
+    running = sum(1 for rid in recorded.running_at_end if rid not in gone)
+    named = f" ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''})" if lost else ""
+    return (f"the recording was cut short (no clean stop) after step {recorded.cut_step}: "
+            f"{len(lost)} request(s) not compared, prefilled after it or with rows lost"
+            f"{named}; {running} more still running, compared up to it")
+
+
+def compare(recorded: Trace, fresh: Trace) -> list[str]:
+    """Differences between a recording and a replay of it, one line each. A
+    recording cut short is compared up to its cut (``Trace.cut_step``)."""
+    diffs: list[str] = []
+    cut = recorded.cut_step
+    want, got = whole_outcomes(recorded, cut), whole_outcomes(fresh, cut)
     for rid, row in want.items():
         other = got.get(rid)
         if other is None:
             diffs.append(f"outcome of {rid}: recorded, but the replay never prefilled it")
             continue
-        for name, a, b in zip(cols[1:], row[1:], other[1:]):
+        for name, a, b in zip(OUTCOME_FIELDS, row[1:], other[1:]):
             if a != b:
                 diffs.append(f"outcome of {rid}: {name} recorded {a}, replayed {b}")
     for rid in got.keys() - want.keys():
         diffs.append(f"outcome of {rid}: replayed, but not in the recording")
     if recorded.steps is not None:
         scols = ("step", "id", "num_scheduled_tokens", "num_accepted_tokens")
-        a, b = _rows(recorded.steps, scols), _rows(fresh.steps, scols)
+        a, b = _rows(upto(recorded.steps, cut), scols), _rows(upto(fresh.steps, cut), scols)
         if a != b and not load_shifted(recorded, fresh):
             first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             x = a[first] if first < len(a) else None
@@ -123,7 +167,8 @@ def compare(recorded: Trace, fresh: Trace) -> list[str]:
         ocols = ("op", "key", "group", "result", "rank")
         keep = lambda rows: Counter(_op_outcome(r) for r in rows  # noqa: E731
                                     if r[0] in STORE_OPS_COMPARED)
-        a, b = keep(_rows(recorded.store_ops, ocols)), keep(_rows(fresh.store_ops, ocols))
+        a = keep(_rows(upto(recorded.store_ops, cut), ocols))
+        b = keep(_rows(upto(fresh.store_ops, cut), ocols))
         if (recorded.header.get("source") or {}).get("anonymized"):
             a = Counter((op, g, r, k) for (op, _, g, r, k), n in a.items() for _ in range(n))
             b = Counter((op, g, r, k) for (op, _, g, r, k), n in b.items() for _ in range(n))
@@ -145,7 +190,9 @@ def _compare_kv_events(recorded: Trace, fresh: Trace) -> list[str]:
     if not (recorded.header.get("source") or {}).get("anonymized"):
         cols += ("hash",)
     order = lambda t: t.sort_by("order") if t is not None else None  # noqa: E731
-    a, b = _rows(order(recorded.kv_events), cols), _rows(order(fresh.kv_events), cols)
+    cut = recorded.cut_step
+    a = _rows(order(upto(recorded.kv_events, cut)), cols)
+    b = _rows(order(upto(fresh.kv_events, cut)), cols)
     if a == b:
         return []
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -168,26 +215,32 @@ def check_against_recorded(trace: Trace, store: Any = None,
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     diffs = compare(trace, fresh)
-    n_out = trace.outcomes.num_rows
+    cut = trace.cut_step
+    n_out = len(whole_outcomes(trace, cut))
     parts = [f"{n_out} outcome(s)"]
     if trace.steps is not None:
-        parts.append(f"{trace.steps.num_rows} step row(s)")
+        parts.append(f"{upto(trace.steps, cut).num_rows} step row(s)")
     if trace.store_ops is not None:
-        parts.append(f"{trace.store_ops.num_rows} store op(s)")
+        parts.append(f"{upto(trace.store_ops, cut).num_rows} store op(s)")
     if trace.kv_events is not None:
-        parts.append(f"{trace.kv_events.num_rows} kv event block(s)")
+        parts.append(f"{upto(trace.kv_events, cut).num_rows} kv event block(s)")
     shifted = load_shifted(trace, fresh)        # > 0: some first step moved
     if shifted:
         parts.append(f"the same chunks per request, {shifted} request(s) first scheduled at "
                      "another step (waiting on an asynchronous store load)")
     what = ", ".join(parts)
-    if not diffs:
-        return [f"replay matches the recording: {what}"], True, result
-    lines = [f"replay differs from the recording ({what}): {len(diffs)} difference(s)"]
+    if cut is not None:
+        what += " up to step " + str(cut)
+    lines = [] if not diffs else [
+        f"replay differs from the recording ({what}): {len(diffs)} difference(s)"]
     lines += [f"  {d}" for d in diffs[:MAX_LINES]]
     if len(diffs) > MAX_LINES:
         lines.append(f"  ... {len(diffs) - MAX_LINES} more")
-    if trace.skipped_parts or trace.notes:
+    if not diffs:
+        lines.append(f"replay matches the recording: {what}")
+    if cut is not None:
+        lines.append(cut_line(trace))
+    elif diffs and (trace.skipped_parts or trace.notes):
         lines.append("  (the recording was cut short: each table lost its last unflushed "
                      "rows, so differences near its end are expected)")
-    return lines, False, result
+    return lines, not diffs, result

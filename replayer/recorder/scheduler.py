@@ -59,6 +59,15 @@ def external_id(request_id: str) -> str | None:
     return m.group("external") if m else None
 
 
+def mm_inputs(features: Any) -> list[dict[str, Any]] | None:
+    """A request's multimodal items as its block hashes see them (identifier and
+    placeholder position: ``kv_cache_utils._gen_mm_extra_hash_keys``); None without."""
+    if not features:
+        return None
+    return [{"identifier": f.identifier, "offset": f.mm_position.offset,
+             "length": f.mm_position.length} for f in features]
+
+
 class SchedulerRecorder:
     """Turns scheduler calls into rows; holds only requests still alive."""
 
@@ -80,6 +89,7 @@ class SchedulerRecorder:
         self._live: dict[str, int] = {}        # id -> max_tokens, while vLLM holds it
         self._order = 0
         self._pending: list[tuple[Any, int]] = []          # (scheduler_output, step)
+        self._update_step: int | None = None   # inside update_from_output: its step
         self.external_finish = False      # inside finish_requests: not finished by its output
 
     @property
@@ -103,7 +113,11 @@ class SchedulerRecorder:
             "prompt_tokens": pack_tokens(prompt), "output_len": request.max_tokens,
             "cache_salt": request.cache_salt, "lora_name": lora.lora_name if lora else None,
             "priority": request.priority or None, "arrival_order": self._order,
-            "external_id": external_id(rid)},
+            "external_id": external_id(rid),
+            # The fields that change what the request reads from the cache
+            # (docs/recording.md, "Request fields"): null where they do not.
+            "skip_reading_prefix_cache": True if request.skip_reading_prefix_cache else None,
+            "mm_inputs": mm_inputs(request.mm_features)},
             weight=1 + n_prompt)
         self._order += 1
         self.session.add_boundaries(rid, request.block_hashes)
@@ -112,16 +126,20 @@ class SchedulerRecorder:
         self._pending.append((so, self.session.step))
         self.session.step += 1
 
+    def updating(self, so: Any) -> None:
+        """Before vLLM's update of ``so``: which step it is (rows it frees name it)."""
+        pending = self._pending
+        self._update_step = None
+        for i, (pso, pstep) in enumerate(pending):
+            if pso is so:
+                self._update_step = pstep
+                del pending[: i + 1]
+                break
+
     def updated(self, so: Any, mro: Any, outputs: dict[int, Any]) -> None:
         # Runs every step on the engine's thread: the step's rows go straight
         # into the writer's column lists, and nothing made here outlives the call.
-        step = None
-        pending = self._pending
-        for i, (pso, pstep) in enumerate(pending):
-            if pso is so:
-                step = pstep
-                del pending[: i + 1]
-                break
+        step = self._update_step
         nst = so.num_scheduled_tokens
         if step is not None and nst:
             acc = self._accepted(so, mro) if so.scheduled_spec_decode_tokens else None
@@ -135,7 +153,13 @@ class SchedulerRecorder:
                     # vLLM's PrefillStats names its fields as the outcomes table does.
                     row = {f: getattr(stats, f) for f in OUTCOME_FIELDS}
                     row["id"] = out.request_id
+                    row["step"] = step
                     self._outcomes.append(row)
+        if step is not None:
+            # Every row of this step is handed over: parts flushed from now on
+            # say the recording is whole through it (traces/model/recording_cut.py).
+            self.session.done_step = step
+        self._update_step = None
 
     @staticmethod
     def _accepted(so: Any, mro: Any) -> list[int | None]:
@@ -164,8 +188,9 @@ class SchedulerRecorder:
             pad = max(int(max_tokens), n_out, 1) - n_out
             out += bytes(4 * pad)
             n_out += pad
+        step = self._update_step if self._update_step is not None else self.session.step
         self._finishes.append({"id": request.request_id, "output_len": n_out,
-                               "output_tokens": out}, weight=1 + n_out)
+                               "output_tokens": out, "step": step}, weight=1 + n_out)
 
     def aborted(self, requests: list[Any]) -> None:
         for req in requests:
@@ -225,6 +250,8 @@ class _Recording:
         return so
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        if self._recorder is not None:
+            self._recorder.updating(scheduler_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self._recorder is not None:
             self._recorder.updated(scheduler_output, model_runner_output, outputs)

@@ -11,6 +11,7 @@ belongs to; otherwise those two columns stay null.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import threading
 from pathlib import Path
@@ -86,13 +87,17 @@ class SchedulerSession:
 
     def __init__(self, out: str, **writer_opts: Any) -> None:
         self.out = Path(out)
-        writer_opts = {**writer_options(), **writer_opts}
+        self._writer_opts = {**writer_options(), "watermark": self._watermark,
+                             "durable_map": self._durable_map, "logger": log, **writer_opts}
         check_new_recording(self.out)
         tables = [schema.TABLES[name] for name in ("requests", "steps", "outcomes", "events")]
         self.writers: dict[str, PartWriter] = {}
+        # The last step whose update the recorder has seen through: every row of
+        # every table for steps up to it has been handed to its writer.
+        self.done_step = -1
         try:
             for t in tables + [schema.FINISHES]:
-                self.writers[t.name] = PartWriter(self.out, t, 0, **writer_opts)
+                self.writers[t.name] = PartWriter(self.out, t, 0, **self._writer_opts)
         except BaseException:
             for w in self.writers.values():
                 w.abandon()
@@ -108,9 +113,19 @@ class SchedulerSession:
 
     def add_table(self, table: schema.Table) -> PartWriter:
         """A table only some recordings have (``kv_events``), written like the others."""
-        writer = PartWriter(self.out, table, 0, **writer_options())
+        writer = PartWriter(self.out, table, 0, **self._writer_opts)
         self.writers[table.name] = writer
         return writer
+
+    def _watermark(self) -> int:
+        return self.done_step
+
+    def _durable_map(self, writer: PartWriter, mark: int) -> dict[str, int]:
+        """Each table's step on disk, for the metadata of ``writer``'s next part
+        (the watermark read first: a row handed over after it is for a later step)."""
+        now = self.done_step
+        return {name: w.durable_now(now) for name, w in list(self.writers.items())
+                if w is not writer}
 
     def add_boundaries(self, request_id: str, block_hashes) -> None:
         b = self.boundaries
@@ -126,6 +141,14 @@ class SchedulerSession:
         self._closed = True
         try:
             close_all(self.writers.values())    # every table gets its last flush
+            # Last, once every table is whole: a reader finding it knows the
+            # recording was not cut short (traces/model/recording_cut.py).
+            try:
+                write_atomic(self.out / schema.END_FILE,
+                             json.dumps({"stopped_at_step": self.step}) + "\n")
+            except OSError as exc:
+                raise RecordingError(self.out / schema.END_FILE, "cannot mark the recording "
+                                     f"whole ({exc.strerror or exc})") from None
         finally:
             with _LOCK:
                 _SCHEDULERS.pop(str(self.out.resolve()), None)
@@ -148,7 +171,7 @@ class StoreSession:
         if (Path(out) / schema.HEADER_FILE).exists():   # workers start before the scheduler
             raise RecordingError(out, "already holds a recording (header.json); record each "
                                       "run into a new, empty directory")
-        self.writer = PartWriter(out, schema.STORE_OPS, rank, **writer_opts)
+        self.writer = PartWriter(out, schema.STORE_OPS, rank, logger=log, **writer_opts)
         atexit.register(self.close)
 
     def close(self) -> None:

@@ -172,7 +172,13 @@ def recorded_accepted(trace: Trace) -> dict[tuple[str, int], int]:
 
 def refuse_unsupported(trace: Trace) -> None:
     """What no engine replays yet, said before one is built."""
-    if "lora_name" not in trace.requests.column_names:
+    cols = trace.requests.column_names
+    if "mm_inputs" in cols and trace.requests["mm_inputs"].null_count < trace.requests.num_rows:
+        row = trace.requests["mm_inputs"].is_valid().to_pylist().index(True)
+        raise ReplayError(f"request {trace.requests['id'][row].as_py()!r} carries multimodal "
+                          "inputs (their hashes enter its block hashes); multimodal replay "
+                          "is not supported yet")
+    if "lora_name" not in cols:
         return
     for rid, lora in zip(trace.requests["id"].to_pylist(),
                          trace.requests["lora_name"].to_pylist()):
@@ -327,6 +333,7 @@ class ReplayRun:
                 output_tokens=tokens.output(i, output_len, n_spec + 1).tolist(),
                 output_len=output_len, cache_salt=rows.cache_salt[i],
                 priority=rows.priority[i] or 0,
+                skip_reading_prefix_cache=bool(rows.skip_reading_prefix_cache[i]),
                 prompt_block_ids=blocks[0] if blocks else None,
                 prompt_block_tokens=blocks[1] if blocks else 0))
             tokens.release(i)                 # a streamed trace drops the row's lists

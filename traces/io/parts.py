@@ -30,6 +30,7 @@ numpy. Parquet encoding and compression release the GIL.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -39,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +50,8 @@ from traces.io.atomic_dir import fsync_path
 from traces.model import schema
 from traces.model.errors import TraceError
 
+# A recorder hands its writers a logger on vLLM's tree (so the server's handler
+# formats the line like vLLM's own); this one serves writers used elsewhere.
 log = logging.getLogger("prefix_replayer.recorder")
 
 
@@ -72,7 +75,8 @@ _SEQUENCES = (list, tuple, type({}.keys()), type({}.values()))
 # prompt_block_ids) stay out of recorded parts.
 RECORDED_COLUMNS = {"requests": ("id", "arrival_step", "num_prompt_tokens", "prompt_tokens",
                                  "output_len", "cache_salt", "lora_name", "priority",
-                                 "arrival_order", "external_id")}
+                                 "arrival_order", "external_id", "skip_reading_prefix_cache",
+                                 "mm_inputs")}
 
 
 def pack_tokens(tokens) -> bytes:
@@ -125,7 +129,16 @@ class PartWriter:
     def __init__(self, trace_dir: str | os.PathLike, spec: schema.Table, rank: int = 0,
                  max_rows: int = DEFAULT_MAX_ROWS, max_weight: int = DEFAULT_MAX_WEIGHT,
                  max_seconds: float = DEFAULT_MAX_SECONDS,
-                 columns: tuple[str, ...] | None = None) -> None:
+                 columns: tuple[str, ...] | None = None,
+                 watermark: Callable[[], int] | None = None,
+                 durable_map: Callable[["PartWriter", int], dict[str, int]] | None = None,
+                 logger: logging.Logger | None = None) -> None:
+        """``watermark``: the engine step through which every row of this table has
+        been handed over (read before each swap, so a part holds every row of the
+        steps up to it); ``durable_map(writer, part_mark)``: what each table of the
+        recording has on disk, written into each part's metadata
+        (:data:`schema.PART_DURABLE_KEY`) so a reader of a cut recording knows
+        up to which step it is whole."""
         self.spec = spec
         self.rank = rank
         self.folder = Path(trace_dir) / spec.name
@@ -149,6 +162,10 @@ class PartWriter:
         self._seq = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_PENDING)
+        self._watermark, self._durable_map = watermark, durable_map
+        self._log = logger or log
+        self.durable = -1             # every row of steps <= durable is in a written part
+        self._unwritten = 0           # parts handed over, not yet renamed into place
         self._error: BaseException | None = None
         self._closed = False
         self.parts_written = 0
@@ -197,12 +214,23 @@ class PartWriter:
 
     def flush(self) -> None:
         """Hand the buffer to the writer thread (blocks only when MAX_PENDING are queued)."""
+        mark = self._watermark() if self._watermark is not None else None   # before the swap
         with self._lock:
             cols, n = self._cols, self._n
             self._cols = {name: [] for name in cols}
             self._n = self._weight = 0
+            if n:
+                self._unwritten += 1
         if n:
-            self._queue.put(cols)
+            self._queue.put((cols, mark))
+
+    def durable_now(self, mark: int) -> int:
+        """The step through which this table's rows are on disk, given ``mark``,
+        the recording's watermark read just before: all of it when nothing is
+        buffered or waiting to be written, else what the last written part covers."""
+        with self._lock:
+            idle = self._n == 0 and self._unwritten == 0
+        return mark if idle else self.durable
 
     def close(self) -> None:
         """Flush what is buffered, wait for every part to be renamed into place."""
@@ -236,19 +264,31 @@ class PartWriter:
                 continue
             if cols is None:
                 return
+            cols, mark = cols
             if self._error is not None:
+                with self._lock:
+                    self._unwritten -= 1
                 continue            # after a failed part, no later part: no silent gap
             t = time.thread_time()
             try:
                 table = pa.Table.from_arrays([_array(cols[f.name], f.type) for f in self.schema],
                                              schema=self.schema)
+                if mark is not None and self._durable_map is not None:
+                    durable = {**self._durable_map(self, mark), self.spec.name: mark}
+                    table = table.replace_schema_metadata(
+                        {schema.PART_DURABLE_KEY: json.dumps(durable, sort_keys=True)})
                 self.gil_cpu_seconds += time.thread_time() - t
                 write_part(self.folder, table, self.rank, self._seq)
                 self._seq += 1
                 self.parts_written += 1
                 self.rows_written += table.num_rows
+                if mark is not None:
+                    self.durable = max(self.durable, mark)
             except BaseException as exc:  # noqa: BLE001 - raised on the engine's next append
                 self._fail(exc)
+            finally:
+                with self._lock:
+                    self._unwritten -= 1
             self.cpu_seconds += time.thread_time() - t
 
     def _fail(self, exc: BaseException) -> None:
@@ -259,7 +299,7 @@ class PartWriter:
         where = getattr(exc, "filename", None) or self.folder / part_name(self.rank, self._seq)
         self._error = RecordingError(where, f"writing a part of the {self.spec.name} table "
                                             f"failed ({reason}); the recording is incomplete")
-        log.error("prefix-replayer recorder: %s", self._error)
+        self._log.error("prefix-replayer recorder: %s", self._error)
 
 
 def _array(values: list[Any], typ: pa.DataType) -> pa.Array:
@@ -285,6 +325,9 @@ class PartsRead:
     table: pa.Table | None
     parts: int
     skipped: list[str]        # temporary (half-written) parts, by path
+    # table -> the latest step through which its rows were on disk, as the parts
+    # say (schema.PART_DURABLE_KEY); empty for parts written before schema 2
+    durable: dict[str, int]
 
 
 def read_parts(folder: Path, spec: schema.Table, read_one) -> PartsRead:
@@ -307,12 +350,32 @@ def read_parts(folder: Path, spec: schema.Table, read_one) -> PartsRead:
                                 "(expected part-r<rank>-<seq>.parquet)")
     parts.sort()
     tables = [read_one(p, spec) for _, _, p in parts]
+    durable: dict[str, int] = {}
+    for (_, _, p), t in zip(parts, tables):
+        for name, step in _durable_of(p, t).items():
+            durable[name] = max(step, durable.get(name, step))
     if not tables:
-        return PartsRead(None, 0, skipped)
+        return PartsRead(None, 0, skipped, durable)
     names = set().union(*(t.column_names for t in tables))
     target = spec.arrow_schema(names)
     merged = pa.concat_tables([_conform(t, target) for t in tables])
-    return PartsRead(merged, len(tables), skipped)
+    return PartsRead(merged, len(tables), skipped, durable)
+
+
+def _durable_of(path: Path, table: pa.Table) -> dict[str, int]:
+    """A part's own account of what was on disk when it was written."""
+    raw = (table.schema.metadata or {}).get(schema.PART_DURABLE_KEY)
+    if raw is None:
+        return {}
+    try:
+        got = json.loads(raw)
+        if not isinstance(got, dict) or not all(isinstance(k, str) and type(v) is int
+                                                for k, v in got.items()):
+            raise ValueError("not a {table: step} object")
+    except ValueError as exc:
+        raise TraceError(path, f"unreadable {schema.PART_DURABLE_KEY.decode()} metadata "
+                               f"({exc})") from None
+    return got
 
 
 def _conform(table: pa.Table, target: pa.Schema) -> pa.Table:

@@ -83,6 +83,7 @@ class RequestRows:
     cache_salt: Column
     lora_name: Column
     priority: Column
+    skip_reading_prefix_cache: Column
 
 
 class TokenSource:
@@ -136,4 +137,4 @@ def request_rows(requests: pa.Table) -> RequestRows:
     """Absent optional columns read as None in every row."""
     return RequestRows(*(Column(requests, name) for name in (
         "id", "arrival_step", "after", "num_prompt_tokens", "output_len", "cache_salt",
-        "lora_name", "priority")))
+        "lora_name", "priority", "skip_reading_prefix_cache")))

@@ -10,8 +10,20 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+# 2: recorded requests carry the fields that change cache reads
+# (skip_reading_prefix_cache, mm_inputs); recorded outcomes and finishes their
+# step; each recorded part says through which step every table was on disk
+# (PART_DURABLE_KEY), and a recording stopped cleanly leaves END_FILE.
+# Version 1 traces read as before (no such columns: nulls).
+SCHEMA_VERSION = 2
+READ_VERSIONS = (1, 2)
 HEADER_FILE = "header.json"
+# Written last by a recorder that stopped cleanly (every table flushed):
+# a recording without it was cut short (kill -9, a failed write).
+END_FILE = "recording-end.json"
+# Parquet metadata key of a recorded part: JSON {table: step}, every row of
+# each table for engine steps <= step was on disk when this part was written.
+PART_DURABLE_KEY = b"prefix_replayer.durable_through_step"
 GOLDEN_DIR = "golden"
 
 
@@ -66,7 +78,18 @@ REQUESTS = Table("requests", (
     Column("external_id", pa.string(), required=False, nullable=True,
            doc="recorded traces: the id vLLM's front end gave the request, before vLLM "
                "appended its random suffix (`cmpl-<X-Request-Id>-<prompt index>` for "
-               "/v1/completions): what the client's response is named by"),
+               "/v1/completions; with n > 1 each of the n engine requests is "
+               "`<sample index>_cmpl-...`): what the client's response is named by"),
+    Column("skip_reading_prefix_cache", pa.bool_(), required=False, nullable=True,
+           doc="vLLM's Request.skip_reading_prefix_cache: the request never reads the "
+               "prefix cache (prompt_logprobs asked, or set explicitly); null: false"),
+    Column("mm_inputs", pa.list_(pa.struct([("identifier", pa.string()),
+                                            ("offset", pa.int64()),
+                                            ("length", pa.int64())])),
+           required=False, nullable=True,
+           doc="recorded traces: the request's multimodal items (vLLM's mm_features: hash "
+               "identifier and placeholder position), which enter its block hashes; "
+               "not replayed (refused in one line)"),
 ), required=True)
 
 # Recorded traces only, a folder of parts beside ``requests/``: a request's row
@@ -76,6 +99,8 @@ FINISHES = Table("finishes", (
     Column("id", pa.string(), doc="request id (a row of requests)"),
     Column("output_len", pa.int64()),
     Column("output_tokens", pa.list_(pa.int32()), nullable=True),
+    Column("step", pa.int64(), required=False, nullable=True,
+           doc="the step whose update freed it (an abort: the step it came before)"),
 ))
 
 EVENTS = Table("events", (
@@ -108,11 +133,13 @@ OUTCOMES = Table("outcomes", (
     Column("num_cached_tokens", pa.int64()),
     Column("num_local_cached_tokens", pa.int64(), nullable=True),
     Column("num_external_cached_tokens", pa.int64(), nullable=True),
+    Column("step", pa.int64(), required=False, nullable=True,
+           doc="recorded traces: the step whose output carried these prefill stats"),
 ))
 
 # What a request's prefill observed: the fields goldens pin, recordings hold and
 # replays report (traces.model.outcome.RequestOutcome), in this order.
-OUTCOME_FIELDS = tuple(c.name for c in OUTCOMES.columns[1:])
+OUTCOME_FIELDS = tuple(c.name for c in OUTCOMES.columns[1:5])
 
 STEPS = Table("steps", (
     Column("step", pa.int64()),
@@ -141,7 +168,7 @@ STORE_OPS = Table("store_ops", (
 # observations so that updating a golden never rewrites what was recorded.
 # A golden may pin only some fields (a scenario's ``expect:``): nulls mean "not checked".
 GOLDEN = Table("golden", (OUTCOMES.columns[0],) + tuple(
-    Column(c.name, c.type, nullable=True) for c in OUTCOMES.columns[1:]))
+    Column(c.name, c.type, nullable=True) for c in OUTCOMES.columns[1:5]))
 
 # The KV-cache events vLLM publishes (BlockStored / BlockRemoved /
 # AllBlocksCleared, what routers such as llm-d and Dynamo consume), one row per

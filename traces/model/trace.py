@@ -26,6 +26,7 @@ from traces.model import schema
 from traces.model.engine_spec import EngineBlock
 from traces.model.errors import TraceError
 from traces.model.limits import MAX_JSON_BYTES, load_json, read_bounded
+from traces.model.recording_cut import cut_step, merge_durable
 from traces.model.sanity import check_golden_table
 from traces.model.validate import validate_header, validate_table, validate_trace
 
@@ -56,6 +57,13 @@ class Trace:
     skipped_parts: list[str] = field(default_factory=list)
     # What reading a recording had to settle (requests still running at its end).
     notes: list[str] = field(default_factory=list)
+    # A recording cut short (no clean stop): every table holds every row of the
+    # engine steps up to this one, and may lack rows after it. None: whole, or a
+    # recording from before schema 2 (which cannot tell). See recording_cut.py.
+    cut_step: int | None = None
+    # Recorded requests with no finish row: still running when the recording
+    # ended (the replay aborts them just after its last step).
+    running_at_end: list[str] = field(default_factory=list)
     # A streamed read (``read_trace(stream=True)``): the requests table's list
     # columns, left in its Parquet file and read batch by batch by the replay;
     # ``requests`` then holds its other columns only.
@@ -183,13 +191,13 @@ def _sorted_by_arrival(table: pa.Table | None) -> pa.Table | None:
 
 def _fold_finishes(root: Path, requests: pa.Table, finishes: pa.Table | None,
                    steps: pa.Table | None, events: pa.Table | None,
-                   notes: list[str]) -> tuple[pa.Table, pa.Table | None]:
+                   notes: list[str]) -> tuple[pa.Table, pa.Table | None, list[str]]:
     """Outputs of finished requests into their rows; the rest stopped with the recording.
 
     A request with no finish row was still running when the recording ended
     (shutdown or kill): it keeps ``output_len`` = its ``max_tokens`` and gets
     an ``abort`` event just after the last recorded step, so the replay stops
-    it where the recording stopped. Returns the requests and the events.
+    it where the recording stopped. Returns the requests, the events and those ids.
     """
     ids = requests["id"].to_pylist()
     index = {rid: i for i, rid in enumerate(ids)}
@@ -229,7 +237,7 @@ def _fold_finishes(root: Path, requests: pa.Table, finishes: pa.Table | None,
             requests = requests.set_column(requests.column_names.index(name), field_, arr)
         else:
             requests = requests.append_column(field_, arr)
-    return requests, events
+    return requests, events, running
 
 
 def _read_streamed(path: Path, spec: schema.Table) -> tuple[pa.Table, RequestLists | None]:
@@ -264,6 +272,7 @@ def read_trace(trace_dir: str | os.PathLike, *, stream: bool = False) -> Trace:
     header = read_header(root)
     tables: dict[str, pa.Table | None] = {}
     skipped: list[str] = []
+    durable: dict[str, int] = {}
     lists: RequestLists | None = None
     for name, spec in schema.TABLES.items():
         path = root / spec.file
@@ -279,6 +288,7 @@ def read_trace(trace_dir: str | os.PathLike, *, stream: bool = False) -> Trace:
             # A recorded table: complete parts merged in order (traces.io.parts).
             got = read_parts(root / spec.name, spec, _read_table)
             skipped += got.skipped
+            merge_durable(durable, got.durable)
             tables[name] = _sorted_by_arrival(got.table) if name == "requests" else got.table
             if tables[name] is None and spec.required:
                 raise TraceError(root / spec.name, "holds no complete part")
@@ -287,10 +297,12 @@ def read_trace(trace_dir: str | os.PathLike, *, stream: bool = False) -> Trace:
         else:
             tables[name] = None
     notes: list[str] = []
+    running: list[str] = []
     if (root / schema.FINISHES.name).is_dir():
         got = read_parts(root / schema.FINISHES.name, schema.FINISHES, _read_table)
         skipped += got.skipped
-        tables["requests"], tables["events"] = _fold_finishes(
+        merge_durable(durable, got.durable)
+        tables["requests"], tables["events"], running = _fold_finishes(
             root, tables["requests"], got.table, tables["steps"], tables["events"], notes)
     goldens: dict[str, dict[str, Any]] = {kind.attr: {} for kind in KINDS}
     gdir = root / schema.GOLDEN_DIR
@@ -302,7 +314,12 @@ def read_trace(trace_dir: str | os.PathLike, *, stream: bool = False) -> Trace:
             key = meta.get(b"engine", path.stem.encode()).decode(errors="replace")
             check_golden_table(path, table, key, kind.file(key))
             goldens[kind.attr][key] = kind.from_table(table)
+    cut = cut_step(root, durable)
+    if cut is not None:
+        notes.insert(0, f"the recording was cut short (no clean stop): every table is whole "
+                        f"through step {cut}")
     trace = Trace(header=header, **goldens, path=root, request_lists=lists,
-                  skipped_parts=skipped, notes=notes, **tables)  # type: ignore[arg-type]
+                  skipped_parts=skipped, notes=notes, cut_step=cut, running_at_end=running,
+                  **tables)  # type: ignore[arg-type]
     validate_trace(root, trace)
     return trace

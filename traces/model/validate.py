@@ -34,9 +34,9 @@ def validate_header(path: Path, header: Any) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise TraceError(path, "header must be a JSON object")
     version = header.get("schema_version")
-    if version != schema.SCHEMA_VERSION:
-        raise TraceError(path, f"unknown schema version {version!r} "
-                               f"(this replayer reads version {schema.SCHEMA_VERSION})")
+    if version not in schema.READ_VERSIONS:
+        raise TraceError(path, f"unknown schema version {version!r} (this replayer reads "
+                               f"versions {', '.join(map(str, schema.READ_VERSIONS))})")
     if "engine" not in header:
         raise TraceError(path, "header has no 'engine' block")
     header = dict(header)

@@ -37,6 +37,9 @@ class EngineRequest:
     output_len: int
     cache_salt: str | None = None
     priority: int = 0               # under scheduling_policy: priority (lower first)
+    # vLLM's Request.skip_reading_prefix_cache as recorded (prompt_logprobs asked):
+    # the request never reads the prefix cache, and still writes to it.
+    skip_reading_prefix_cache: bool = False
     # The trace block ids the prompt was made of and tokens per block (None:
     # explicit tokens, or shortcuts off); lets the engine reuse prefix hashes.
     prompt_block_ids: list[int] | None = None

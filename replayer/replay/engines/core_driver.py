@@ -299,6 +299,8 @@ class CoreEngine(EngineAdapter):
             logprobs = self._top.sampling_args()
         params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0,
                                 detokenize=False, **logprobs)
+        if request.skip_reading_prefix_cache:    # recorded so: it never read the cache
+            params.skip_reading_prefix_cache = True
         ecr = EngineCoreRequest(
             request_id=request.id, prompt_token_ids=request.prompt_tokens, mm_features=None,
             sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
