@@ -168,5 +168,228 @@ def test_a_store_get_of_another_keys_bytes_is_a_wrong_hit(serve_venv, tmp_path, 
     wrong = [line for line in lines if "WRONG HIT" in line]
     assert len(wrong) == 1 and "WRONG HIT a_again: hit 288 (288 of them from the store" \
         in wrong[0], proc.stdout
-    assert verdict["verdict"] == "wrong hit" and verdict["first_position"] is not None
+    assert verdict["verdict"] == "wrong hit" and verdict["first_divergence"] is not None
     assert verdict["divergence"] >= 100 * report["threshold"], verdict
+
+
+# -- what is compared, and the fail-closed rules (no model: hand-made outcomes) -----------
+
+def _rows(first, n, k=4, seed=0):
+    import numpy as np
+
+    from traces.model.outcome import TopLogprobs
+
+    rng = np.random.default_rng(seed)
+    ids = np.array([rng.permutation(50)[:k] for _ in range(n)], np.int64).reshape(n, k)
+    values = -np.sort(rng.random((n, k)), axis=1).astype(np.float32) * 4
+    return TopLogprobs(first, np.arange(first, first + n, dtype=np.int64),
+                       np.full(n, -7.0, np.float32), ids, values)
+
+
+def _outcome(rid, hit, prompt, output):
+    from traces.model.outcome import RequestOutcome
+
+    return RequestOutcome(id=rid, arrival_step=0, num_prompt_tokens=20, num_cached_tokens=hit,
+                          logprobs=output.token_logprobs.tolist(), top_logprobs=output,
+                          prompt_logprobs=prompt)
+
+
+def _pair(hit=12, prompt_len=20, outputs=3):
+    """A hit of ``hit`` tokens and its cold recompute, equal at every position (no
+    array shared between them)."""
+    from traces.model.outcome import TopLogprobs
+
+    def part(rows, start=0):
+        return TopLogprobs(rows.first + start, rows.tokens[start:].copy(),
+                           rows.token_logprobs[start:].copy(), rows.top_ids[start:].copy(),
+                           rows.top_logprobs[start:].copy())
+
+    cold_prompt, out = _rows(0, prompt_len - 1, seed=1), _rows(0, outputs, seed=2)
+    return (_outcome("r", hit, part(cold_prompt, hit), part(out)),
+            _outcome("r", 0, part(cold_prompt), part(out)))
+
+
+def test_compare_names_the_first_position_and_measure_that_crossed():
+    from replayer.check.divergence import compare
+
+    hit, cold = _pair()
+    d = compare(hit, cold, threshold=1e-6)
+    assert (d.largest, d.first, d.prompt_positions, d.output_tokens) == (0.0, None, 7, 3)
+    cold.top_logprobs.top_logprobs[1, 2] -= 0.25                    # output token 1
+    cold.prompt_logprobs.top_logprobs[15, 0] -= 0.5                 # prompt position 15
+    d = compare(hit, cold, threshold=0.1)
+    token = int(cold.prompt_logprobs.top_ids[15, 0])
+    assert (d.first.kind, d.first.position, d.first.measure, d.first.token) == \
+        ("prompt", 15, "top-K", token), d.first
+    assert d.first.said(20) == f"prompt position 15: top-20 logprob of token {token} differs by 0.5"
+    assert d.largest == 0.5
+    d = compare(hit, cold, threshold=0.3)
+    assert d.first.position == 15
+    cold.prompt_logprobs.top_logprobs[15, 0] += 0.5
+    d = compare(hit, cold, threshold=0.1)
+    assert (d.first.kind, d.first.position) == ("output", 1) and abs(d.first.difference - 0.25) < 1e-6
+
+
+def test_a_token_in_one_top_k_only_differs_by_at_least_the_gap():
+    from replayer.check.divergence import compare
+
+    hit, cold = _pair()
+    row = cold.top_logprobs
+    unused = next(t for t in range(50) if t not in row.top_ids[0])
+    gone = int(row.top_ids[0, 0])                                   # the hit's most likely
+    row.top_ids[0, 0] = unused          # the recompute has another token there instead
+    d = compare(hit, cold, threshold=1e-6)
+    assert d.first.kind == "output" and d.first.position == 0
+    assert d.first.measure == "top-K, in one list only" and d.first.token in (gone, unused)
+    kth = float(row.top_logprobs[0].min())
+    assert abs(d.first.difference - (float(row.top_logprobs[0, 0]) - kth)) < 1e-6
+    assert "so at least" in d.first.said(4)
+
+
+def test_the_whole_vocabulary_is_matched_as_a_small_top_k():
+    """K = -1 (the whole vocabulary) is matched by sorting; the same measures as K small."""
+    import numpy as np
+
+    from replayer.check import divergence
+
+    a, b = _rows(0, 6, k=8, seed=3), _rows(0, 6, k=8, seed=4)
+    small = divergence._top_differences(a.top_ids, a.top_logprobs, b.top_ids, b.top_logprobs)
+    sorted_ = divergence._top_differences_sorted(a, b, slice(0, 6))
+    for x, y in zip(small, sorted_):
+        assert np.allclose(x, y), (small, sorted_)
+
+
+@pytest.mark.parametrize("fault, needle", [
+    ("nan_hit", "the hit's logprobs are NaN or infinite at prompt position 14"),
+    ("inf_recompute", "its recompute's logprobs are NaN or infinite at output token 2"),
+    ("short_recompute", "the hit has 3 output tokens of 4 logprobs each, its recompute 2"),
+    ("no_prompt_rows", "the hit reported no logprobs of its prompt positions after its hit"),
+    ("other_tokens", "were given different tokens at output 1"),
+    ("cached_recompute", "its recompute was served 12 cached tokens"),
+    ("nothing", "no position to compare"),
+])
+def test_a_comparison_that_cannot_be_made_fails_closed(fault, needle):
+    from dataclasses import replace
+
+    from replayer.check.divergence import DivergenceError, compare
+    from replayer.replay.loop import ReplayError
+
+    hit, cold = _pair()
+    if fault == "nan_hit":
+        hit.prompt_logprobs.top_logprobs[2, 1] = float("nan")
+    elif fault == "inf_recompute":
+        cold.top_logprobs.token_logprobs[2] = float("-inf")
+    elif fault == "short_recompute":
+        t = cold.top_logprobs
+        cold.top_logprobs = replace(t, tokens=t.tokens[:2], token_logprobs=t.token_logprobs[:2],
+                                    top_ids=t.top_ids[:2], top_logprobs=t.top_logprobs[:2])
+    elif fault == "no_prompt_rows":
+        hit.prompt_logprobs = None
+    elif fault == "other_tokens":
+        cold.top_logprobs.tokens[1] += 1
+    elif fault == "cached_recompute":
+        cold.num_cached_tokens = 12
+    else:                           # a full-prompt hit with no output token
+        hit, cold = _pair(hit=19, outputs=0)
+    with pytest.raises(DivergenceError) as err:
+        compare(hit, cold, threshold=1.0)
+    assert needle in str(err.value) and "request 'r'" in str(err.value), str(err.value)
+    assert isinstance(err.value, ReplayError)           # the CLI's exit 2
+
+
+def test_a_hit_missing_from_its_recompute_fails_closed():
+    from replayer.check.divergence import DivergenceError
+    from replayer.check.recompute import recomputed
+    from replayer.replay.engines.base import EngineInfo
+    from replayer.replay.loop import ReplayResult
+
+    hit, cold = _pair()
+    served = ReplayResult(engine=EngineInfo(vllm="0.32.0"), requests=[hit], steps=1)
+    assert recomputed(["r"], ReplayResult(engine=served.engine, requests=[cold], steps=1)) \
+        == {"r": cold}
+    for requests in ([], [replace_id(cold, "other")]):
+        with pytest.raises(DivergenceError, match="request 'r' had a hit and is missing"):
+            recomputed(["r"], ReplayResult(engine=served.engine, requests=requests, steps=1))
+
+
+def replace_id(outcome, rid):
+    from dataclasses import replace
+
+    return replace(outcome, id=rid)
+
+
+# -- the forced-token seam -----------------------------------------------------------------
+
+def test_forced_tokens_refuse_a_trace_that_ran_out():
+    from replayer.replay.engines.worker.forced import ForcedTokenError, ForcedTokens
+
+    forced = ForcedTokens({"a": [5, 6, 7]}, lambda rid: 2, vocab_size=10)
+    assert forced._token("a", 0) == 7
+    with pytest.raises(ForcedTokenError, match="request 'a' is sampled at output 3, and the "
+                                               "trace gives it 3 token"):
+        forced._token("a", 1)
+    with pytest.raises(ForcedTokenError, match="request 'b' is sampled but the trace gives"):
+        forced._token("b", 0)
+
+
+def test_forced_argmax_has_no_tie_in_bf16():
+    import torch
+
+    from replayer.replay.engines.worker.forced import ForcedTokenError, ForcedTokens
+
+    logits = torch.zeros(2, 8, dtype=torch.bfloat16)
+    logits[:, 3] = 300.0                # bf16 spacing at 300 is 2: 300 + 1 rounds back to 300
+    assert float((logits[0, 3] + 1.0).item()) == 300.0
+    forced = ForcedTokens.force_argmax(logits, [("a", 5), ("b", 3)])
+    assert forced.argmax(dim=-1).tolist() == [5, 3]
+    assert int((forced[0] == forced[0].max()).sum()) == 1
+    assert logits[0, 5] == 0                                        # the logits themselves untouched
+    logits[1, 6] = float("inf")
+    with pytest.raises(ForcedTokenError, match="request 'b': another logit ties token 3"):
+        ForcedTokens.force_argmax(logits, [("a", 5), ("b", 3)])
+
+
+# -- the CLI: a verdict without goldens, and a NaN refused ---------------------------------
+
+NO_GOLDENS = """
+description: a Llama hit with no goldens (check --recompute gives the verdict alone)
+engine:
+  block_size: 32
+  kv_groups: [{kind: full_attention}]
+  max_num_batched_tokens: 2048
+  max_num_seqs: 4
+  num_gpu_blocks: 64
+requests:
+  - {id: a, prompt: [{stream: a, len: 300}], output_len: 4}
+  - {id: %s, after: a, prompt: [{stream: a, len: 300}, {stream: tail, len: 16}], output_len: 4}
+"""
+
+
+def test_recompute_options_are_checked_before_any_replay():
+    target = SCENARIOS / "sliding_window.yaml"
+    assert_bad_input(cli_here("check", target, "--recompute-only"), "--recompute-only",
+                     "goes with --recompute")
+    assert_bad_input(cli_here("check", target, "--worker", "model", "--recompute",
+                              "--recompute-topk", "0"), "--recompute-topk", "0: give K")
+
+
+def test_recompute_without_goldens_gives_its_own_verdict_and_refuses_a_nan(serve_venv,
+                                                                          tmp_path):
+    target = tmp_path / "no_goldens.yaml"
+    target.write_text(NO_GOLDENS % "again")
+    proc, report = recompute(serve_venv, target, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (f"note: {target}: no goldens for engine vllm==0.32.0: hit counts not "
+                        "checked, the verdict is the recompute's alone"), proc.stdout
+    hit = report["hits"][0]
+    assert (hit["id"], hit["num_cached_tokens"], hit["verdict"]) == \
+        ("again", 288, "matches recompute"), hit
+    assert hit["prompt_positions"] == 316 - 1 - 288 and hit["output_tokens"] == 4, hit
+    target.write_text(NO_GOLDENS % "nan_again")
+    (tmp_path / "nan").mkdir()
+    proc, report = recompute(serve_venv, target, tmp_path / "nan", "nan_prompt_logprobs.py")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert report is None                                   # nothing half-written
+    assert "replayer: error: request 'nan_again': the hit's logprobs are NaN or infinite " \
+           "at prompt position 314" in proc.stderr, proc.stderr

@@ -131,6 +131,17 @@ def store_keys_loaded(result: ReplayResult, rid: str) -> list[dict[str, Any]]:
             and r["result"] >= 0]
 
 
+def recomputed(ids: list[str], cold: ReplayResult) -> dict[str, Any]:
+    """``cold``'s outcomes by id, every hit of ``ids`` among them (else the check
+    fails closed: a hit with no recompute is never a pass)."""
+    out = cold.by_id()
+    missing = [rid for rid in ids if rid not in out]
+    if missing:
+        raise DivergenceError(f"request {missing[0]!r} had a hit and is missing from its "
+                              f"recompute ({len(missing)} of {len(ids)} hit request(s) missing)")
+    return out
+
+
 def asking_distributions(trace: Trace, topk: int = TOPK) -> Trace:
     """``trace`` with the model worker asked for the top-``topk`` logprobs at every
     position (what :func:`recompute_check` compares)."""
@@ -177,11 +188,7 @@ def recompute_check(trace: Trace, result: ReplayResult, replay: Callable[..., Re
                           log, log.hit_path)
     finally:
         log.close()
-    served, shaped, looser = result.by_id(), refs.shaped.by_id(), refs.looser.by_id()
-    missing = [rid for rid in ids if rid not in shaped or rid not in looser]
-    if missing:
-        raise DivergenceError(f"request {missing[0]!r} had a hit and is missing from its "
-                              f"recompute ({len(missing)} of {len(ids)} hit request(s) missing)")
+    served, shaped, looser = result.by_id(), recomputed(ids, refs.shaped), recomputed(ids, refs.looser)
     largest = max((abs(x) for rid in ids for x in shaped[rid].logprobs or []), default=1.0)
     loose = MARGIN * max(refs.tolerance, FLOOR_UNITS * unit(largest, refs.dtype))
     verdicts = []

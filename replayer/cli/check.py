@@ -35,6 +35,13 @@ def add_parser(sub) -> None:
                        help="with --worker model: replay every request that had a hit again, "
                             "cold, and name each hit whose logprobs differ from its recompute "
                             "by more than the calibrated tolerance (a wrong hit: exit 1)")
+    check.add_argument("--recompute-topk", type=int, default=None, metavar="K",
+                       help="with --recompute: compare the K most likely tokens' logprobs at "
+                            "every prompt position after a hit and every output token "
+                            "(default 20; -1: the whole vocabulary, costly on long prompts)")
+    check.add_argument("--recompute-only", action="store_true",
+                       help="with --recompute: the verdict is the recompute's alone, the "
+                            "hit counts are not held to goldens (as where there are none)")
     check.add_argument("--json", metavar="OUT",
                        help="with --recompute: write each target's per-hit verdicts as JSON "
                             "('-' for stdout)")
@@ -47,6 +54,12 @@ def run(args) -> int:
     from replayer.replay.engines.sources.specs import parse_spec, resolve_unless_known
     from replayer.replay.execution.clients import engine_runner
 
+    if (args.recompute_topk is not None or args.recompute_only) and not args.recompute:
+        opt = "--recompute-only" if args.recompute_only else "--recompute-topk"
+        raise TraceError(opt, "goes with --recompute")
+    if args.recompute_topk is not None and args.recompute_topk < 1 and args.recompute_topk != -1:
+        raise TraceError("--recompute-topk", f"{args.recompute_topk}: give K of 1 or more, or -1 "
+                                             "for the whole vocabulary")
     spec = parse_spec(args.engine, args.worker)
     if args.recompute and args.worker != "model":
         raise TraceError("--recompute", "needs the model worker (--worker model): the null "
@@ -98,20 +111,20 @@ def run(args) -> int:
                 if recompute:        # at one thread, its schedule logged (check.recompute)
                     from replayer.check.recompute import hit_replay
 
-                    result, log = hit_replay(trace, replay)
+                    result, log = hit_replay(trace, replay, topk(args))
                 else:
                     result = replay(trace)
             except UnsupportedByEngine as exc:
                 print(f"SKIP {path}: {exc}")
                 continue
-            worst = max(worst, check_one(args, path, trace, result))
+            worst = max(worst, check_hit_counts(args, path, trace, result))
             if trace.expect_recompute and not args.recompute and args.worker == "null":
                 print(f"note: {path} expects every hit to match its recompute "
                       "(expect_recompute): checked with --worker model only")
             if recompute:
                 from replayer.check.recompute import recompute_check, report_lines
 
-                report = recompute_check(trace, result, replay, log)
+                report = recompute_check(trace, result, replay, log, topk(args))
                 print("\n".join(report_lines(path, report)), flush=True)
                 reports[str(path)] = report.as_dict()
                 if report.wrong:
@@ -166,6 +179,29 @@ def check_recorded(args, traces, spec) -> int:
         worst = max(worst, EXIT_OK if ok else EXIT_MISMATCH)
     return worst
 
+
+
+def topk(args) -> int:
+    """How many most likely tokens the recompute compares (``--recompute-topk``)."""
+    from replayer.check.recompute import TOPK
+
+    return TOPK if getattr(args, "recompute_topk", None) is None else args.recompute_topk
+
+
+def check_hit_counts(args, path: Path, trace, result) -> int:
+    """The goldens' verdict, except under ``--recompute`` where there are none for
+    this engine (or ``--recompute-only``): then one line says that the verdict is
+    the recompute's alone."""
+    if args.recompute and not args.update_golden:
+        from replayer.check.goldens import has_goldens
+
+        key = result.engine.key
+        if args.recompute_only or not has_goldens(trace, key):
+            why = "--recompute-only" if args.recompute_only else f"no goldens for engine {key}"
+            print(f"note: {path}: {why}: hit counts not checked, the verdict is the "
+                  "recompute's alone", flush=True)
+            return EXIT_OK
+    return check_one(args, path, trace, result)
 
 
 def check_one(args, path: Path, trace, result) -> int:

@@ -330,10 +330,13 @@ class GoldenItem(pytest.Item):
 class RecomputeItem(GoldenItem):
     """A scenario's ``expect_recompute: true`` on one engine: every hit gives what a
     cold recompute gives (``replayer check --worker model --recompute``). It needs
-    the model worker; on the null executor it is skipped, saying why."""
+    the model worker; on the null executor it is skipped, saying why. Its verdict
+    is the recompute's alone, goldens or none (where there are none for the
+    engine, a report section says so; the golden item fails on its own)."""
 
     def runtest(self) -> None:
-        from replayer.check.recompute import recompute_check, report_lines
+        from replayer.check.goldens import has_goldens
+        from replayer.check.recompute import hit_replay, recompute_check, report_lines
 
         if self.error is not None:
             raise self.error
@@ -343,8 +346,12 @@ class RecomputeItem(GoldenItem):
             pytest.skip("expect_recompute is checked on the model worker: --replayer-worker "
                         "model, with an engine that runs a model (e.g. --replayer-engine "
                         ".venv-serve)")
-        result = pool.replay(self.spec, self.trace)
-        report = recompute_check(self.trace, result,
-                                 lambda t: pool.replay(self.spec, t))
+        replay = lambda t, **kw: pool.replay(self.spec, t, **kw)  # noqa: E731
+        result, log = hit_replay(self.trace, replay)
+        report = recompute_check(self.trace, result, replay, log)
+        if not has_goldens(self.trace, result.engine.key):
+            self.add_report_section("call", "replayer notes", (
+                f"{self._shown_path()}: no goldens for engine {result.engine.key}: the "
+                "verdict is the recompute's alone"))
         if report.wrong:
             raise GoldenCheckFailed("\n".join(report_lines(self._shown_path(), report)))

@@ -29,6 +29,13 @@ from typing import Any, Callable
 
 import torch
 
+from replayer.replay.engines.base import EngineError
+
+
+class ForcedTokenError(EngineError):
+    """The trace cannot say which token a request's row is forced to: the seam
+    refuses rather than let the model's own choice through."""
+
 
 class ForcedTokens:
     """The trace's tokens for a V1 model runner's rows, and its drafts.
@@ -48,10 +55,17 @@ class ForcedTokens:
         self._bonus_offsets: list[int] | None = None
 
     # -- the trace's tokens ------------------------------------------------------
-    def _token(self, rid: str, offset: int, fallback: int) -> int:
+    def _token(self, rid: str, offset: int) -> int:
+        """The trace's token ``offset`` places after ``rid``'s committed outputs."""
         out = self.outputs.get(rid)
         i = self.num_outputs(rid) + offset
-        return out[i] if out is not None and i < len(out) else fallback
+        if out is None:
+            raise ForcedTokenError(f"forced tokens: request {rid!r} is sampled but the trace "
+                                   "gives it no output tokens")
+        if i >= len(out):
+            raise ForcedTokenError(f"forced tokens: request {rid!r} is sampled at output "
+                                   f"{i}, and the trace gives it {len(out)} token(s)")
+        return out[i]
 
     def install(self, runner: Any) -> None:
         """Wrap the runner's sampler (and rejection sampler) on this instance."""
@@ -62,8 +76,7 @@ class ForcedTokens:
             sampled, processed = real_sample(logits, sampling_metadata, *args, **kwargs)
             req_ids = runner.input_batch.req_ids
             offsets = self._bonus_offsets or [0] * len(req_ids)
-            forced = [self._token(rid, off, int(tok)) for rid, off, tok in
-                      zip(req_ids, offsets, sampled.tolist())]
+            forced = [self._token(rid, off) for rid, off in zip(req_ids, offsets)]
             sampled.copy_(torch.tensor(forced, dtype=sampled.dtype))
             return sampled, processed
 
@@ -84,7 +97,7 @@ class ForcedTokens:
                 if n:
                     self.verified[rid] = self.verified.get(rid, 0) + 1
             self._bonus_offsets = counts
-            self._targets = [self._token(rid, j, -1) for rid, n in zip(req_ids, counts)
+            self._targets = [(rid, self._token(rid, j)) for rid, n in zip(req_ids, counts)
                              for j in range(n)]
             try:
                 return real_forward(metadata, draft_probs, logits, sampling_metadata)
@@ -111,16 +124,26 @@ class ForcedTokens:
         self._targets = None
 
     @staticmethod
-    def force_argmax(target_logits: torch.Tensor, targets: list[int]) -> torch.Tensor:
+    def force_argmax(target_logits: torch.Tensor, targets: list[tuple[str, int]]) -> torch.Tensor:
         """A copy of the processed target logits whose greedy choice at each draft
-        position is the trace's token (-1: leave the row as it is)."""
+        position (row) is the trace's token: ``targets`` gives (request, token) per
+        row. The forced logit is the largest finite value of the logits' dtype, so no
+        rounding can tie it (``top + 1.0`` rounds back to ``top`` in bf16 above 256);
+        a row where another logit still reaches it (an infinity, a NaN) is refused."""
         forced = target_logits.clone()
-        rows = [i for i, t in enumerate(targets) if t >= 0]
-        if rows:
-            idx = torch.tensor(rows)
-            tok = torch.tensor([targets[i] for i in rows])
-            top = forced[idx].max(dim=-1).values
-            forced[idx, tok] = top + 1.0
+        if not targets:
+            return forced
+        idx = torch.arange(len(targets))
+        tok = torch.tensor([t for _, t in targets])
+        high = torch.finfo(forced.dtype).max
+        forced[idx, tok] = high
+        rows = forced[idx]
+        tied = ((rows >= high) | rows.isnan()).sum(dim=-1) != 1
+        if bool(tied.any()):
+            i = int(torch.nonzero(tied)[0])
+            raise ForcedTokenError(f"forced tokens: request {targets[i][0]!r}: another logit "
+                                   f"ties token {targets[i][1]} at the largest "
+                                   f"{forced.dtype} value (an infinity or a NaN)")
         return forced
 
     # -- the draft seam ----------------------------------------------------------
