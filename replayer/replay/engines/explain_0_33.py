@@ -11,27 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    SlidingWindowSpec,
-)
-
-
-def group_kind(spec: Any) -> str:
-    if isinstance(spec, MambaSpec):
-        return "mamba"
-    if isinstance(spec, SlidingWindowSpec):
-        return "sliding_window"
-    if isinstance(spec, MLAAttentionSpec):
-        return "mla"
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return "chunked_local"
-    if isinstance(spec, FullAttentionSpec):
-        return "full_attention"
-    return type(spec).__name__
+from replayer.replay.engines.kv_kinds import spec_kind
 
 
 class GroupHits:
@@ -41,7 +21,7 @@ class GroupHits:
         manager = scheduler.kv_cache_manager
         self.coordinator = manager.coordinator
         groups = scheduler.kv_cache_config.kv_cache_groups
-        self.kinds = [group_kind(g.kv_cache_spec) for g in groups]
+        self.kinds = [spec_kind(g.kv_cache_spec) for g in groups]
         # What vLLM applies, not what the specs flag: the coordinator keeps the
         # drop only without lookahead hashes, and flags every group when no
         # group holds the draft's layers (``drop_eagle_group_ids``).

@@ -155,7 +155,7 @@ def _groups(config: Any, model: Any, mla: Any, kda: Any,
 
     from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
     from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
-    from vllm.v1.kv_cache_interface import MambaSpec
+    from replayer.replay.engines.kv_kinds import spec_kind
 
     linear = model.hf_config.linear_attn_config
     specs: dict[str, Any] = {}
@@ -172,8 +172,7 @@ def _groups(config: Any, model: Any, mla: Any, kda: Any,
     out = []
     for group in get_kv_cache_groups(config, specs):
         spec = group.kv_cache_spec
-        kind = "mamba" if isinstance(spec, MambaSpec) else "mla"
-        out.append((kind, len(group.layer_names), resolve_dcp_kv_block_size(spec, dcp)))
+        out.append((spec_kind(spec), len(group.layer_names), resolve_dcp_kv_block_size(spec, dcp)))
     return tuple(out)
 
 

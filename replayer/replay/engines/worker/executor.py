@@ -25,6 +25,7 @@ from vllm.v1.outputs import DraftTokenIds
 
 from replayer.replay.engines.base import EngineError
 from replayer.replay.engines.core_driver import _BUILDING
+from replayer.replay.engines.kv_kinds import spec_kind
 from replayer.replay.engines.worker.forced import ForcedTokens
 from replayer.replay.engines.worker.models import WorkerModels, check_groups, worker_models
 from traces.model.engine_spec import EngineBlock
@@ -74,20 +75,10 @@ def model_args(engine: EngineBlock, label: str) -> ModelArgs:
     return ModelArgs(models, int(free_memory() * MEMORY_SHARE), hybrid_spec)
 
 
-def group_kind(spec: Any) -> str:
-    """A vLLM KV-cache spec's kind, as a trace names it."""
-    name = type(spec).__name__
-    for cls, kind in (("SlidingWindow", "sliding_window"), ("ChunkedLocal", "chunked_local"),
-                      ("MLA", "mla"), ("Mamba", "mamba"), ("FullAttention", "full_attention")):
-        if name.startswith(cls):
-            return kind
-    return name
-
-
 def check_built(scheduler: Any, engine: EngineBlock, label: str) -> None:
     """The KV-cache groups vLLM made from the real model, held to the trace's."""
     groups = scheduler.kv_cache_config.kv_cache_groups
-    check_groups(engine, [(group_kind(g.kv_cache_spec), g.kv_cache_spec.block_size)
+    check_groups(engine, [(spec_kind(g.kv_cache_spec), g.kv_cache_spec.block_size)
                           for g in groups], label)
 
 

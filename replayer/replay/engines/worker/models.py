@@ -82,53 +82,53 @@ def _refuse(label: str, why: str) -> NotOnThisWorker:
 
 
 def refusal(engine: EngineBlock) -> str | None:
-    """Why the model worker cannot replay ``engine`` (None: it can)."""
-    try:
-        check_geometry(engine, "engine")
-    except NotOnThisWorker as exc:
-        return str(exc).split("cannot replay this trace: ", 1)[-1].rsplit(" (--worker", 1)[0]
+    """Why the model worker cannot replay ``engine`` (None: it can): what no tiny
+    model here can take, known before vLLM is imported."""
+    kinds = [g.kind for g in engine.kv_groups]
+    if engine.model == "kimi-k3" or engine.kda_prefill_backend is not None:
+        return ("Kimi-K3's shape (engine.model, engine.kda_prefill_backend): "
+                "no tiny model here has KDA layers or FlashKDA's checkpoints")
+    if engine.tensor_parallel_size != 1 or engine.decode_context_parallel_size != 1:
+        return (f"tensor_parallel_size {engine.tensor_parallel_size} / "
+                f"decode_context_parallel_size "
+                f"{engine.decode_context_parallel_size}: the model worker runs "
+                "one rank in this process")
+    other = sorted(set(kinds) - {"full_attention", "mamba", "sliding_window"})
+    if other:
+        return (f"KV-cache group kind {other[0]} (tiny models here have full "
+                "attention, sliding windows and Mamba-style state only)")
+    if "full_attention" not in kinds:
+        return "no full_attention group (every tiny model here has one)"
+    if "mamba" in kinds and "sliding_window" in kinds:
+        return "Mamba and sliding-window groups in one model"
+    windows = {g.sliding_window for g in engine.kv_groups if g.kind == "sliding_window"}
+    if len(windows) > 1:
+        return (f"sliding windows of {sorted(windows)} tokens (one window a model)")
+    sizes = {g.block_size for g in engine.kv_groups}
+    if len(sizes) > 1:
+        return (f"KV-cache groups with block sizes {sorted(sizes)} (vLLM gives "
+                "every group of a real model one block size)")
+    block = sizes.pop()
+    if block % CPU_KERNEL_BLOCK:
+        return (f"block_size {block}: vLLM's CPU attention kernel takes blocks "
+                f"of a multiple of {CPU_KERNEL_BLOCK} tokens")
+    spec = engine.speculative
+    if spec is not None and spec.method != "eagle":
+        return (f"speculative method {spec.method} (only EAGLE has a tiny draft "
+                "for these targets: MTP, DFlash and DSpark drafts are layers of "
+                "the target's own architecture, and DSpark runs only on vLLM's "
+                "V2 model runner)")
+    if spec is not None and spec.draft_group is not None:
+        return ("speculative.draft_group (a real draft's layer joins the group "
+                "of its own spec)")
     return None
 
 
 def check_geometry(engine: EngineBlock, label: str) -> None:
-    """Refuse, before vLLM is imported, what no tiny model here can take."""
-    kinds = [g.kind for g in engine.kv_groups]
-    if engine.model == "kimi-k3" or engine.kda_prefill_backend is not None:
-        raise _refuse(label, "Kimi-K3's shape (engine.model, engine.kda_prefill_backend): "
-                             "no tiny model here has KDA layers or FlashKDA's checkpoints")
-    if engine.tensor_parallel_size != 1 or engine.decode_context_parallel_size != 1:
-        raise _refuse(label, f"tensor_parallel_size {engine.tensor_parallel_size} / "
-                             f"decode_context_parallel_size "
-                             f"{engine.decode_context_parallel_size}: the model worker runs "
-                             "one rank in this process")
-    other = sorted(set(kinds) - {"full_attention", "mamba", "sliding_window"})
-    if other:
-        raise _refuse(label, f"KV-cache group kind {other[0]} (tiny models here have full "
-                             "attention, sliding windows and Mamba-style state only)")
-    if "full_attention" not in kinds:
-        raise _refuse(label, "no full_attention group (every tiny model here has one)")
-    if "mamba" in kinds and "sliding_window" in kinds:
-        raise _refuse(label, "Mamba and sliding-window groups in one model")
-    windows = {g.sliding_window for g in engine.kv_groups if g.kind == "sliding_window"}
-    if len(windows) > 1:
-        raise _refuse(label, f"sliding windows of {sorted(windows)} tokens (one window a model)")
-    sizes = {g.block_size for g in engine.kv_groups}
-    if len(sizes) > 1:
-        raise _refuse(label, f"KV-cache groups with block sizes {sorted(sizes)} (vLLM gives "
-                             "every group of a real model one block size)")
-    block = sizes.pop()
-    if block % CPU_KERNEL_BLOCK:
-        raise _refuse(label, f"block_size {block}: vLLM's CPU attention kernel takes blocks "
-                             f"of a multiple of {CPU_KERNEL_BLOCK} tokens")
-    spec = engine.speculative
-    if spec is not None and spec.method != "eagle":
-        raise _refuse(label, f"speculative method {spec.method} (only EAGLE has a tiny draft "
-                             "for these targets: MTP, DFlash and DSpark drafts are layers of "
-                             "the target's own architecture, and DSpark runs only on vLLM's "
-                             "V2 model runner)")
-    if spec is not None and spec.draft_group is not None:
-        raise _refuse(label, "speculative.draft_group (a real draft's layer joins the group "
-                             "of its own spec)")
+    """Refuse, before vLLM is imported, what :func:`refusal` says no tiny model takes."""
+    why = refusal(engine)
+    if why is not None:
+        raise _refuse(label, why)
 
 
 def _target_layers(engine: EngineBlock) -> list[str]:
@@ -220,14 +220,14 @@ def _write_once(root: Path, config: dict[str, Any], name: str | None = None) -> 
 
 
 def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
-    """The model directories for ``engine`` under ``root`` (refused as check_geometry says).
+    """The model directories for ``engine`` under ``root`` (a geometry :func:`refusal`
+    refuses never gets here: ``engines.check_supported`` refused it before vLLM loaded).
 
     The target's directory has the null executor's model's name: the
     MooncakeStore connector names every key by it (``<model>@tp_rank:0@...``),
     so both workers write the same keys."""
     from replayer.replay.engines.engine_config import TARGET_MODEL
 
-    check_geometry(engine, label)
     target, dtype = target_config(engine)
     draft = None
     if engine.speculative is not None:
