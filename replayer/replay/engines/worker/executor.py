@@ -18,7 +18,7 @@ drafter, Mamba state copies. What it adds, and nothing else:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from vllm.v1.outputs import DraftTokenIds
@@ -80,6 +80,26 @@ def check_built(scheduler: Any, engine: EngineBlock, label: str) -> None:
     groups = scheduler.kv_cache_config.kv_cache_groups
     check_groups(engine, [(spec_kind(g.kv_cache_spec), g.kv_cache_spec.block_size)
                           for g in groups], label)
+
+
+def model_core(engine: EngineBlock, version: str, config_for: Callable[[ModelArgs], Any],
+               core_for: Callable[[Any], Any], recorder: Any = None) -> Any:
+    """vLLM's own executor, worker and model runner under the shared driver, built
+    as every release adapter builds it: the tiny model's arguments, the release's
+    config over them (``config_for``), the caller's recorder hooks, the engine
+    (``core_for``), then the KV-cache groups vLLM made held to the trace's (the
+    engine closed where they differ)."""
+    label = f"vllm {version}"
+    config = config_for(model_args(engine, label))
+    if recorder is not None:
+        recorder(config, version, bool(engine.connector))
+    core = core_for(config)
+    try:
+        check_built(core.scheduler, engine, label)
+    except BaseException:
+        core.close()
+        raise
+    return core
 
 
 class ModelExecutor(UniProcExecutor):
