@@ -254,24 +254,9 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     if spec is not None and spec.method == "mtp":
         # vLLM applies a target's callable hf_overrides to the draft's config too.
         overrides["hf_overrides"] = partial(set_mtp_modules, spec.mtp_modules)
-    wide = engine.tensor_parallel_size > 2
-    target = WIDE_TARGET_MODEL if wide else TARGET_MODEL
-    if engine.model == "kimi-k3":
-        target = KIMI_K3_MODEL
-    draft = draft_model(spec.method, wide) if spec is not None else None
-    dtype = "float16"
     cache_args = dict(cache_args or cache_kwargs(engine))
     extra: dict[str, Any] = {}
-    if worker is not None:
-        target, draft, dtype = worker.models.target, worker.models.draft, worker.models.dtype
-        overrides["enforce_eager"] = True           # no compilation on a CPU replay
-        extra["load_config"] = LoadConfig(load_format=worker.load_format())
-        cache_args["kv_cache_memory_bytes"] = worker.kv_cache_memory_bytes
-        if engine.has_mamba:
-            # The recurrent state in float32 (vLLM's --mamba-ssm-cache-dtype): in
-            # bf16 its rounding at each prefill chunk boundary moved the tiny
-            # model's logprobs by ~0.1, drowning what a wrong state does.
-            cache_args["mamba_ssm_cache_dtype"] = "float32"
+    target, draft, dtype = _models(engine, worker, cache_args, overrides, extra)
     model = ModelConfig(model=str(target), skip_tokenizer_init=True,
                         max_model_len=engine.max_model_len, dtype=dtype, **overrides)
     # TP/DCP as the scheduler sees them (the null executor stands for every rank).
@@ -303,6 +288,29 @@ def build_config(engine: EngineBlock, executor_cls: type["NullExecutor"], *,
     # hybrid KV-cache manager off; production GPUs keep it on.
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     return config
+
+
+def _models(engine: EngineBlock, worker: Any, cache_args: dict[str, Any],
+            overrides: dict[str, Any], extra: dict[str, Any]) -> tuple[Any, Any, str]:
+    """The target's and draft's model directories and the dtype: the null
+    executor's hand-made ones, or the model worker's tiny model (which adds
+    what it needs to the cache and model arguments and ``extra`` configs)."""
+    spec = engine.speculative
+    wide = engine.tensor_parallel_size > 2
+    target = WIDE_TARGET_MODEL if wide else TARGET_MODEL
+    if engine.model == "kimi-k3":
+        target = KIMI_K3_MODEL
+    if worker is None:
+        return target, (draft_model(spec.method, wide) if spec is not None else None), "float16"
+    overrides["enforce_eager"] = True           # no compilation on a CPU replay
+    extra["load_config"] = LoadConfig(load_format=worker.load_format())
+    cache_args["kv_cache_memory_bytes"] = worker.kv_cache_memory_bytes
+    if engine.has_mamba:
+        # The recurrent state in float32 (vLLM's --mamba-ssm-cache-dtype): in
+        # bf16 its rounding at each prefill chunk boundary moved the tiny
+        # model's logprobs by ~0.1, drowning what a wrong state does.
+        cache_args["mamba_ssm_cache_dtype"] = "float32"
+    return worker.models.target, worker.models.draft, worker.models.dtype
 
 
 def _method_taken_from_path(asked: str, took: str, draft: Any) -> Exception:

@@ -81,40 +81,17 @@ def derive(tensor_parallel_size: int = 8, num_speculative_tokens: int = 0, *,
            model_dtype: str = "bfloat16",
            attention_backend: str = ATTENTION_BACKEND) -> KimiK3Geometry:
     """Kimi-K3's geometry by vLLM's own functions (the installed vLLM)."""
-    from vllm.config import CacheConfig, CompilationConfig, ParallelConfig
-    from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.layers.mamba.kda_checkpoint import (
         kda_prefill_checkpoint_alignment,
     )
     from vllm.model_executor.models import ModelRegistry
-    from vllm.platforms.interface import Platform
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, get_kv_quant_mode
 
-    model = _model_config(model_dtype)
-    cache = CacheConfig(cache_dtype=kv_cache_dtype, enable_prefix_caching=True,
-                        mamba_cache_mode="align")
-    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                              decode_context_parallel_size=decode_context_parallel_size)
-    speculative = (SimpleNamespace(num_speculative_tokens=num_speculative_tokens)
-                   if num_speculative_tokens else None)
-    # The fields these functions read; no model is built, so no layer is
-    # registered (get_mamba_prefill_checkpoint_alignment then answers 1, and
-    # FlashKDA's 16 divides the MLA alignment of 128 either way).
-    config = SimpleNamespace(model_config=model, cache_config=cache,
-                             parallel_config=parallel, speculative_config=speculative,
-                             compilation_config=CompilationConfig(),
-                             scheduler_config=SimpleNamespace(
-                                 disable_hybrid_kv_cache_manager=False))
-    config.with_hf_config = None
-    backend = AttentionBackendEnum[attention_backend].get_class()
-    with set_current_vllm_config(config):
-        preferred = Platform._preferred_block_size_for_backends(
-            [backend], CacheConfig.DEFAULT_BLOCK_SIZE, config)
-    cache.block_size = preferred
-    Platform._align_hybrid_block_size(config, backend)
-
+    config, preferred = _resolved_config(tensor_parallel_size, num_speculative_tokens,
+                                         decode_context_parallel_size, kv_cache_dtype,
+                                         model_dtype, attention_backend)
+    model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
     model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
     shapes = tuple(tuple(s) for s in model_cls.get_mamba_state_shape_from_config(config))
     dtypes = tuple(model_cls.get_mamba_state_dtype_from_config(config))
@@ -145,6 +122,41 @@ def derive(tensor_parallel_size: int = 8, num_speculative_tokens: int = 0, *,
         kda_page_bytes=kda_page, block_size=cache.block_size,
         page_bytes=mla.page_size_bytes, prefill_checkpoint_alignment=alignment,
         groups=groups)
+
+
+def _resolved_config(tensor_parallel_size: int, num_speculative_tokens: int,
+                     decode_context_parallel_size: int, kv_cache_dtype: str, model_dtype: str,
+                     attention_backend: str) -> tuple[Any, int]:
+    """The config fields vLLM's geometry functions read, with the block sizes its
+    platform resolves for ``attention_backend``; and the backend's preferred block."""
+    from vllm.config import CacheConfig, CompilationConfig, ParallelConfig
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    model = _model_config(model_dtype)
+    cache = CacheConfig(cache_dtype=kv_cache_dtype, enable_prefix_caching=True,
+                        mamba_cache_mode="align")
+    parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                              decode_context_parallel_size=decode_context_parallel_size)
+    speculative = (SimpleNamespace(num_speculative_tokens=num_speculative_tokens)
+                   if num_speculative_tokens else None)
+    # The fields these functions read; no model is built, so no layer is
+    # registered (get_mamba_prefill_checkpoint_alignment then answers 1, and
+    # FlashKDA's 16 divides the MLA alignment of 128 either way).
+    config = SimpleNamespace(model_config=model, cache_config=cache,
+                             parallel_config=parallel, speculative_config=speculative,
+                             compilation_config=CompilationConfig(),
+                             scheduler_config=SimpleNamespace(
+                                 disable_hybrid_kv_cache_manager=False))
+    config.with_hf_config = None
+    backend = AttentionBackendEnum[attention_backend].get_class()
+    with set_current_vllm_config(config):
+        preferred = Platform._preferred_block_size_for_backends(
+            [backend], CacheConfig.DEFAULT_BLOCK_SIZE, config)
+    cache.block_size = preferred
+    Platform._align_hybrid_block_size(config, backend)
+    return config, preferred
 
 
 def _groups(config: Any, model: Any, mla: Any, kda: Any,
