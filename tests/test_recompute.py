@@ -393,3 +393,68 @@ def test_recompute_without_goldens_gives_its_own_verdict_and_refuses_a_nan(serve
     assert report is None                                   # nothing half-written
     assert "replayer: error: request 'nan_again': the hit's logprobs are NaN or infinite " \
            "at prompt position 314" in proc.stderr, proc.stderr
+
+
+# -- vLLM #56615's fault (b): an attention companion published before it was computed ------
+
+COMPANION = REPO / "fixtures" / "store" / "vllm56615_companion_before_computed.yaml"
+
+
+def _companion_put_steps(tmp_path, planted):
+    """(step of each put of group 0 @ 1280, step of p's Mamba put @ 1248, outcomes) on the
+    null executor of the installed vLLM, with or without the plant."""
+    import pyarrow.parquet as pq
+
+    ops, out = tmp_path / f"ops{planted}.parquet", tmp_path / f"run{planted}.json"
+    env = {"PREFIX_REPLAYER_NO_SERVER": "1"}
+    if planted:
+        env["PREFIX_REPLAYER_PLANT"] = str(FAULTS / "companion_before_computed.py")
+    proc = cli("run", COMPANION, "--store-ops", ops, "--json", out, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = pq.read_table(ops).to_pylist()
+    puts = [r["step"] for r in rows if r["op"] == "put" and (r["group"], r["boundary"]) == (0, 1280)]
+    mamba = [r["step"] for r in rows if r["op"] == "put" and (r["group"], r["boundary"]) == (1, 1248)]
+    outcomes = [(r["id"], r["num_cached_tokens"], r["num_external_cached_tokens"])
+                for r in json.loads(out.read_text())["requests"]]
+    return puts, mamba, outcomes
+
+
+def test_the_companion_plant_only_publishes_the_companion_early(tmp_path):
+    """What tests/faults/companion_before_computed.py changes, on the null executor: the
+    block keyed group 0 @ 1280 is put in the step aborted `p` hands off its Mamba state at
+    1248 (computed through 1248 only), not one step later by `q`, which computed it; one
+    put of that key either way (the store keeps the first), and every hit is the same."""
+    puts, mamba, outcomes = _companion_put_steps(tmp_path, planted=False)
+    planted_puts, planted_mamba, planted_outcomes = _companion_put_steps(tmp_path, planted=True)
+    assert len(puts) == 1 and len(planted_puts) == 1 and mamba == planted_mamba == [mamba[0]]
+    assert planted_puts == mamba and puts[0] > mamba[0], (puts, planted_puts, mamba)
+    assert planted_outcomes == outcomes and ("r", 1536, 1536) in outcomes, outcomes
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["unpatched", "guard_removed"])
+def test_a_companion_published_before_it_was_computed_is_a_wrong_hit(serve_venv, tmp_path,
+                                                                     planted):
+    """vLLM #56615's `completed_token_len` guard removed: the resend `r` (from the store
+    after a reset) loads the block `p` published half-computed under the key group 0 @
+    1280; its hit count is the goldens', its logprobs are not its recompute's. The
+    unpatched engine passes the same check (the fixture says expect_recompute)."""
+    proc, report = recompute(serve_venv, COMPANION, tmp_path,
+                             "companion_before_computed.py" if planted else None)
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"PASS {COMPANION}"), proc.stdout    # the hit counts are unchanged
+    verdict = next(v for v in report["hits"] if v["id"] == "r")
+    assert (verdict["num_cached_tokens"], verdict["num_external_cached_tokens"]) == (1536, 1536)
+    companion = [k for k in verdict["store_keys"] if (k["group"], k["boundary"]) == (0, 1280)]
+    assert len(companion) == 1 and "@group:0@" in companion[0]["key"], verdict["store_keys"]
+    if not planted:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert [v["verdict"] for v in report["hits"]] == ["matches recompute"], report
+        return
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    wrong = [line for line in lines if "WRONG HIT" in line]
+    assert len(wrong) == 1 and "WRONG HIT r: hit 1536 (1536 of them from the store" in wrong[0] \
+        and "group 0 @ 1280" in wrong[0], proc.stdout
+    # Measured 2026-12-06: 0.357 nats, about 3 units of bfloat16 at the largest logprob
+    # (a bit-exact contract's threshold is 0: then counted in units of the dtype).
+    threshold = verdict.get("threshold", report.get("threshold")) or report.get("unit")
+    assert verdict["verdict"] == "wrong hit" and verdict["divergence"] >= 2 * threshold, verdict
