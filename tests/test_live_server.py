@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,78 @@ def test_a_server_killed_with_kill_9_leaves_a_trace_that_reads_and_replays(serve
     assert [got[r["id"]] for r in compared] == [r["num_cached_tokens"] for r in compared]
 
 
+def test_live_request_fields_that_change_cache_reads_are_recorded_and_replay(serve_venv,
+                                                                             tmp_path):
+    """A shared 1,000-token prefix (block 32: 992 tokens can hit) sent five ways,
+    one at a time: plain, with prompt_logprobs (vLLM then never reads the cache
+    for it), plain again, with n = 2, with a cache salt. The recording holds each
+    field that changes what a request reads, the check of the recording against
+    itself passes on the server's release, and n > 1 is recorded as the docs say."""
+    import openai
+
+    from replayer.recorder.live.configs import config
+    from replayer.recorder.live.server import SERVED_NAME, Server
+
+    out = tmp_path / "fields"
+    server = Server(config("llama"), out, tmp_path / "fields.serve.log", free_port())
+    prefix = [(7 * i) % 31000 + 100 for i in range(1000)]
+    asks = {"plain": {}, "logprobs": {"prompt_logprobs": 1}, "again": {},
+            "two": {"n": 2, "temperature": 1.0, "seed": 0},     # n > 1 is refused greedy
+            "salted": {"cache_salt": "tenant-b"}}
+    cached = {}
+    try:
+        server.start()
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        for i, (name, extra) in enumerate(asks.items()):
+            n, temperature = extra.pop("n", 1), extra.pop("temperature", 0.0)
+            resp = client.completions.create(
+                model=SERVED_NAME, prompt=prefix + [200 + i] * 8, max_tokens=4, n=n,
+                temperature=temperature,
+                extra_body={"request_id": name, "ignore_eos": True, **extra})
+            cached[name] = resp.usage.prompt_tokens_details.cached_tokens
+    finally:
+        server.stop()
+    # What the server told the client: the skipped read and the salt miss.
+    assert cached["logprobs"] == 0 and cached["again"] == 992 and cached["salted"] == 0
+    trace = read_trace(out)
+    rows = {r["external_id"]: r for r in trace.requests.to_pylist()}
+    assert sorted(rows) == ["0_cmpl-two-0", "1_cmpl-two-0", "cmpl-again-0",
+                            "cmpl-logprobs-0", "cmpl-plain-0", "cmpl-salted-0"]
+    assert [k for k, r in rows.items() if r["skip_reading_prefix_cache"]] == ["cmpl-logprobs-0"]
+    assert rows["cmpl-salted-0"]["cache_salt"] == "tenant-b"
+    outcome = {r["id"]: r["num_cached_tokens"] for r in trace.outcomes.to_pylist()}
+    assert outcome[rows["cmpl-logprobs-0"]["id"]] == 0
+    assert trace.cut_step is None
+    check = run("-m", "replayer", "check", "--against", "recorded", "--engine",
+                "vllm==0.32.0", out)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "replay matches the recording: 6 outcome(s)" in check.stdout
+
+
+def test_a_recording_that_cannot_start_is_refused_before_the_model_loads(serve_venv, tmp_path):
+    """A record directory that is not empty: `vllm serve` exits 1 with one line in
+    vLLM's own log format, before any model is loaded and with no traceback."""
+    from replayer.recorder.live.configs import config
+    from replayer.recorder.live.server import serve_command, serve_env
+
+    out = tmp_path / "used"
+    out.mkdir()
+    (out / "header.json").write_text("{}")
+    log = tmp_path / "refused.serve.log"
+    with open(log, "w") as fh:
+        proc = subprocess.run(serve_command(config("llama"), free_port()), env=serve_env(out),
+                              stdout=fh, stderr=subprocess.STDOUT, timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 1, text[-3000:]
+    said = [ln for ln in text.splitlines() if "prefix-replayer recorder" in ln]
+    assert len(said) == 1, text[-3000:]
+    assert re.search(r"ERROR \d\d-\d\d \d\d:\d\d:\d\d \[plugin\.py:\d+\] prefix-replayer "
+                     rf"recorder: {re.escape(str(out))}: is not empty \(holds header\.json\)",
+                     said[0]), said[0]
+    assert "Traceback" not in text
+    assert "Loading weights" not in text and "EngineCore" not in text
+
+
 def _ignore_errors(fn, *args):
     try:
         fn(*args)
@@ -245,6 +318,9 @@ def test_a_full_disk_while_recording_stops_the_server_with_one_line(serve_venv, 
         said = [ln for ln in text.splitlines() if "No space left on device" in ln
                 and "the recording is incomplete" in ln and "prefix-replayer recorder" in ln]
         assert said, text[-3000:]
+        # On vLLM's logger tree: formatted like vLLM's lines, so an ERROR filter finds it.
+        assert re.search(r"ERROR \d\d-\d\d \d\d:\d\d:\d\d \[parts\.py:\d+\] prefix-replayer",
+                         said[0]), said[0]
         assert not list((disk / "rec").rglob("*.tmp")), "a half-written part was left"
     finally:
         server.kill()
