@@ -211,3 +211,42 @@ def test_external_id_is_the_front_ends_id_without_vllms_random_suffix(monkeypatc
     assert external_id("turn1") is None                    # added to the engine directly
     monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
     assert external_id("cmpl-r0002-0") == "cmpl-r0002-0"
+
+
+def test_parts_say_through_which_step_every_table_was_on_disk(tmp_path):
+    """Each part carries, for every table of the recording, the step through which
+    that table's rows were on disk; without recording-end.json the reader takes
+    the least of the latest as the cut. A table whose buffer is empty counts as
+    whole up to the watermark; one holding rows, only up to its last part."""
+    out = _trace_dir(tmp_path)
+    clock = {"done": -1}
+    writers: dict[str, PartWriter] = {}
+
+    def durable_map(writer, mark):
+        now = clock["done"]
+        return {n: w.durable_now(now) for n, w in writers.items() if w is not writer}
+
+    opts = {"watermark": lambda: clock["done"], "durable_map": durable_map}
+    writers["requests"] = req = PartWriter(out, schema.REQUESTS, **opts)
+    writers["events"] = PartWriter(out, schema.EVENTS, **opts)     # never a row
+    writers["outcomes"] = oc = PartWriter(out, schema.OUTCOMES, **opts)
+    for step in range(6):
+        req.append(_request(step, step))
+        oc.append({"id": f"r{step}", "num_prompt_tokens": 4, "num_cached_tokens": 0,
+                   "step": step})
+        clock["done"] = step
+        if step == 2:
+            req.flush()                    # requests on disk through step 2
+            oc.flush()
+    oc.close()                             # outcomes through step 5; requests hold 3..5
+    req.abandon()                          # killed: its buffer is lost
+    writers["events"].abandon()
+    parts = sorted((out / "outcomes").glob("part-*"))
+    meta = json.loads(pq.read_schema(parts[-1]).metadata[schema.PART_DURABLE_KEY])
+    assert meta == {"outcomes": 5, "requests": 2, "events": 5}
+    trace = read_trace(out)
+    assert trace.cut_step == 2
+    assert trace.notes[0] == ("the recording was cut short (no clean stop): every table is "
+                              "whole through step 2")
+    (out / schema.END_FILE).write_text("{}")          # a clean stop: whole
+    assert read_trace(out).cut_step is None
