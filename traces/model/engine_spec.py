@@ -456,8 +456,3 @@ def _build(where: str, raw: Any) -> EngineBlock:
                                 "engine.kv_groups (the KDA layers it describes)")
     speculative = None if spec is None else _speculative(where, spec, groups)
     return EngineBlock(kv_groups=groups, speculative=speculative, given=given, **values)
-
-
-def validate_engine(where: str, engine: Any) -> EngineBlock:
-    """Check an engine block: the typed form, every default resolved."""
-    return EngineBlock.from_dict(where, engine)

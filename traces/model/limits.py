@@ -10,7 +10,6 @@ helpers; the bounds themselves live here, in one place.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
@@ -117,17 +116,6 @@ def jsonl_lines(path: Path, fh: BinaryIO) -> Iterator[tuple[int, bytes]]:
                              row=lineno)
         yield lineno, raw
         lineno += 1
-
-
-def parse_float_option(option: str, text: str) -> float:
-    """A finite float from the command line (never nan or inf)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{option} {text!r}: not a number") from None
-    if not math.isfinite(value):
-        raise ValueError(f"{option} {text!r}: must be a finite number")
-    return value
 
 
 class TokenBudget:

