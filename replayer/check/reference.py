@@ -43,13 +43,17 @@ SALT = "prefix-replayer recompute"
 STORE_KEYS = ("connector", "connector_config", "kv_load_failure_policy",
               "mooncake_global_segment_size")
 # Right hits whose reference could not reproduce every chunk (a writer's chunk
-# that runs past the hit's resume point: llama's prompts end mid-block) differ by
-# the rounding of vLLM's CPU attention over another query tile. The largest such
-# residue over the fixtures the model worker runs, in units in the last place of
-# the model's compute dtype at the logprob (benchmarks/recompute_cost.py prints
-# it per hit), times 4, is the threshold there.
-RESIDUE_UNITS = {"float32": 64, "bfloat16": 4}
-RESIDUE_MEASURED = "measured 2026-12-05 on the model worker's fixtures"
+# that ran past the hit's resume point; vLLM's Mamba alignment cutting a chunk
+# the writer did not have) are held to this many units in the last place of the
+# model's compute dtype at the largest output logprob. The residue measured on
+# right hits (benchmarks/recompute_cost.py --residue, 2026-12-05: 29 hits
+# over 9 fixtures the model worker runs, fp32 Llama and bf16 Qwen3-Next) was 0
+# units in both. float32 keeps 4 units (one reordered fp32 summation in the
+# attention kernel moved logprobs ~3e-7, a few units, in DESIGN.md's
+# measurements); bfloat16 keeps none: one bf16 unit at a logprob is already
+# ~0.06 nats, the size of a wrong hit.
+RESIDUE_UNITS = {"float32": 4, "bfloat16": 0}
+RESIDUE_MEASURED = "measured 0 on 29 right hits over 9 fixtures, 2026-12-05"
 
 
 def compute_dtype(engine: EngineBlock) -> str:
@@ -151,8 +155,8 @@ def shape_of(hit: str, resume: int, tokens: dict[str, np.ndarray], prompt_len: d
     for rid, chunks in log.items():
         if rid == hit or salts.get(rid) != salts.get(hit) or rid not in tokens:
             continue
-        pre = _prefill(chunks, len(tokens[rid]))
-        shared = _lcp(tokens[rid], mine)
+        pre = _prefill(chunks, prompt_len[rid])        # its prompt's chunks (decodes: one
+        shared = _lcp(tokens[rid], mine)                # position kept per accepted token)
         if pre and shared >= unit_tokens:
             writers.append((pre, shared))
     used: set[Chunk] = set()
