@@ -26,31 +26,10 @@ from replayer.replay.loop import ReplayError
 from traces.model.outcome import RequestOutcome, TopLogprobs
 
 MARGIN = 4.0
-FLOOR_ULPS = 4
 
 
 class DivergenceError(ReplayError):
     """A comparison that cannot be made (a check fails closed: exit 2)."""
-
-
-def ulp32(x: float) -> float:
-    """One float32 unit in the last place at ``x``."""
-    return float(np.spacing(np.float32(abs(x) or 1.0)))
-
-
-def threshold_for(tolerance: float, largest: float) -> float:
-    return MARGIN * max(tolerance, FLOOR_ULPS * ulp32(largest))
-
-
-def max_diff(a: list[float], b: list[float]) -> tuple[float, int | None, list[float]]:
-    """Largest |a - b| over two equally long lists of finite logprobs."""
-    if len(a) != len(b):
-        raise DivergenceError(f"{len(a)} logprobs against {len(b)}")
-    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    if not (np.isfinite(x).all() and np.isfinite(y).all()):
-        raise DivergenceError("a logprob that is NaN or infinite")
-    diffs = np.abs(x - y).tolist()
-    return (max(diffs) if diffs else 0.0), None, diffs
 
 
 @dataclass(frozen=True)
