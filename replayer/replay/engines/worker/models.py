@@ -40,9 +40,6 @@ from typing import Any
 from replayer.replay.engines.base import UnsupportedByEngine
 from traces.model.engine_spec import EngineBlock
 
-# The CPU attention backend's kernel blocks are multiples of 32 tokens
-# (CPUAttentionBackend.get_supported_kernel_block_sizes: MultipleOf(32)).
-CPU_KERNEL_BLOCK = 32
 # Qwen3-Next's gated DeltaNet on vLLM's CPU kernels (bf16 only: "CPU GDN
 # attention requires BF16"): head sizes below 64 are refused ("Unexpected head
 # dim size"). One head of each: its cost grows with heads x key x value size.
@@ -60,6 +57,14 @@ _GDN_STATE_BYTES = (
     * (GDN_HEADS["linear_conv_kernel_dim"] - 1) * 2
     + GDN_HEADS["linear_num_value_heads"] * GDN_HEADS["linear_key_head_dim"]
     * GDN_HEADS["linear_value_head_dim"] * 4)
+
+
+# A store pool set below this (engine.mooncake_global_segment_size) is there to
+# make the store evict, in bytes of the null executor's KV blocks (256 bytes a
+# block in the fixtures); a tiny model's blocks hold other bytes (the Llama's
+# 4 KiB at block 16), so other keys would be evicted. The one recorded pool
+# (512 MiB) evicts nothing under either.
+STORE_POOL_FLOOR = 64 * 2**20
 
 
 class NotOnThisWorker(UnsupportedByEngine):
@@ -108,10 +113,11 @@ def refusal(engine: EngineBlock) -> str | None:
     if len(sizes) > 1:
         return (f"KV-cache groups with block sizes {sorted(sizes)} (vLLM gives "
                 "every group of a real model one block size)")
-    block = sizes.pop()
-    if block % CPU_KERNEL_BLOCK:
-        return (f"block_size {block}: vLLM's CPU attention kernel takes blocks "
-                f"of a multiple of {CPU_KERNEL_BLOCK} tokens")
+    pool = engine.mooncake_global_segment_size
+    if engine.connector and pool is not None and pool < STORE_POOL_FLOOR:
+        return (f"engine.mooncake_global_segment_size {pool} bytes: a store pool that "
+                "small evicts by bytes of the null executor's KV blocks, and a tiny "
+                "model's blocks hold other bytes")
     spec = engine.speculative
     if spec is not None and spec.method != "eagle":
         return (f"speculative method {spec.method} (only EAGLE has a tiny draft "
