@@ -5,11 +5,18 @@ are listed with the reason) on one environment's vLLM twice, with the null
 executor and with ``--worker model``, each worker in one engine process that
 serves every fixture in turn (so "warm" is a replay in a process that has
 imported vLLM already; "cold" adds that process's start, said once per
-worker). Prints per fixture both wall times (engine build included) and whether
-the hits, the schedule, the store and the KV-cache events agree
-(:func:`replayer.compare.workers.worker_differences`), then the totals.
+worker). Prints per fixture both wall times (engine build included), the
+block size, the engine steps and the model worker's milliseconds per step, and
+whether the hits, the schedule, the store and the KV-cache events agree
+(:func:`replayer.compare.workers.worker_differences`), then the totals. A
+fixture the model worker or this vLLM release refuses is listed with the
+reason.
 
-    python benchmarks/worker_agreement.py [--engine .venv-serve] [FIXTURE ...]
+    python benchmarks/worker_agreement.py [--engine .venv-serve] [--set K=V ...] [FIXTURE ...]
+
+``--set`` changes every fixture's engine block as ``replayer run --set`` does
+(e.g. ``engine.block_size=32`` beside the fixtures' 16, to price the CPU
+kernel's vec16 path per step).
 
 On a GPU machine, ``--engine installed`` runs the CUDA vLLM's own worker.
 """
@@ -25,10 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from replayer.compare.workers import worker_differences  # noqa: E402
+from replayer.replay.engines import UnsupportedByEngine, check_supported  # noqa: E402
 from replayer.replay.engines.sources.specs import parse_spec, resolve  # noqa: E402
 from replayer.replay.execution.clients import cold_client  # noqa: E402
 from replayer.replay.engines.worker.models import refusal  # noqa: E402
 from traces import load_target  # noqa: E402
+from traces.scenarios.what_if import with_sets  # noqa: E402
 
 
 def fixture_paths() -> list[Path]:
@@ -42,11 +51,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("fixtures", nargs="*", type=lambda s: Path(s).resolve())
     ap.add_argument("--engine", default=str(ROOT / ".venv-serve"))
+    ap.add_argument("--set", action="append", dest="sets", metavar="K=V")
     args = ap.parse_args()
     paths = [p.resolve() for p in args.fixtures] or fixture_paths()
     runnable, skipped = [], []
     for p in paths:
-        trace = load_target(p)
+        trace = with_sets(load_target(p), args.sets)
         why = refusal(trace.engine)
         (skipped if why else runnable).append((p, why or trace))
     clients = {}
@@ -55,9 +65,17 @@ def main() -> int:
         t = time.perf_counter()
         clients[worker] = cold_client(resolve(parse_spec(args.engine, worker)), own_process=True)
         starts[worker] = time.perf_counter() - t
+    info = clients["model"].info
+    for p, trace in list(runnable):
+        try:
+            check_supported(info.vllm, trace.engine, info.label, "model")
+        except UnsupportedByEngine as e:     # e.g. a setting this release removed
+            runnable.remove((p, trace))
+            skipped.append((p, str(e).removeprefix(f"{info.label}: ")))
     print(f"engine {args.engine}: {len(runnable)} fixture(s) the model worker runs, "
           f"{len(skipped)} it does not")
-    print(f"{'fixture':58s} {'null s':>7s} {'model s':>8s}  agreement")
+    print(f"{'fixture':58s} {'null s':>7s} {'model s':>8s} {'block':>5s} {'steps':>5s} "
+          f"{'ms/step':>7s}  agreement")
     totals = {"null": 0.0, "model": 0.0}
     agree = 0
     try:
@@ -71,14 +89,16 @@ def main() -> int:
                 totals[worker] += took
             diffs = worker_differences(results["null"], results["model"])
             agree += not diffs
+            model = results["model"]
             print(f"{str(p.relative_to(ROOT)):58s} {results['null'].timings['bench_s']:7.1f} "
-                  f"{results['model'].timings['bench_s']:8.1f}  "
+                  f"{model.timings['bench_s']:8.1f} {trace.engine.kv_groups[0].block_size:5d} "
+                  f"{model.steps:5d} {1000 * model.timings['bench_s'] / max(model.steps, 1):7.0f}  "
                   f"{'identical' if not diffs else 'DIFFERS: ' + '; '.join(diffs[:3])}",
                   flush=True)
     finally:
         for c in clients.values():
             c.close()
-    print(f"{'total (warm)':58s} {totals['null']:7.1f} {totals['model']:8.1f}  "
+    print(f"{'total (warm)':58s} {totals['null']:7.1f} {totals['model']:8.1f} {'':17s}  "
           f"{agree}/{len(runnable)} identical")
     print(f"first replay's process start (cold, imports before the first engine): not "
           f"separated from the first fixture above; clients opened in "

