@@ -68,3 +68,22 @@ def test_a_deep_tmpdir_keeps_the_lookup_socket_path_short(tmp_path, monkeypatch)
     finally:
         session.close()
     assert not session.tmp.exists()
+
+
+def test_puts_made_while_decoding_name_their_request_and_boundary(tmp_path):
+    """fixtures/store/decode_puts_named.yaml (save_decode_cache): the blocks ending
+    at 48, 64 and 80 are filled by talk's output tokens, after its prompt was
+    preprocessed; their puts are filed under talk at their token boundaries, not
+    under null, and quote's gets of them are named the same way."""
+    ops_file = tmp_path / "ops.parquet"
+    proc = cli("run", "fixtures/store/decode_puts_named.yaml", "--store-ops", str(ops_file))
+    assert proc.returncode == 0, proc.stderr
+    ops = pl.read_parquet(ops_file)
+    puts = ops.filter((pl.col("op") == "put") & (pl.col("result") >= 0))
+    decode = puts.filter(pl.col("step") > 0)          # talk's prefill is step 0
+    assert decode["boundary"].to_list() == [48, 64, 80]
+    assert decode["request"].to_list() == ["talk"] * 3
+    assert len(set(decode["step"].to_list())) == 3     # one put per filled block, as it fills
+    gets = ops.filter((pl.col("op") == "get") & (pl.col("result") > 0))
+    assert gets["boundary"].to_list() == [16, 32, 48, 64, 80]
+    assert set(gets["request"].to_list()) == {"talk"} and set(gets["loader"]) == {"quote"}

@@ -129,6 +129,8 @@ class StoreConnectorEngine(CoreEngine):
         self.session: StoreSession | None = None
         # Block hash (hex) -> (token boundary, first request): names store keys.
         self.boundaries: dict[str, tuple[int, str]] = {}
+        # Request id -> how many of its block hashes are in ``boundaries``.
+        self._named: dict[str, int] = {}
         if engine.connector:
             self.session = StoreSession(with_segment(store or StoreSpec("memory"), engine))
         try:
@@ -152,12 +154,28 @@ class StoreConnectorEngine(CoreEngine):
         if self.session is not None:
             # Store keys name block hashes; remember which token boundary each
             # ends at, and the first request that had that prefix.
-            hbs = self._hash_block_size
-            for i, h in enumerate(req.block_hashes):
-                self.boundaries.setdefault(bytes(h).hex(), ((i + 1) * hbs, request.id))
+            self._name_hashes(request.id, req.block_hashes)
+
+    def _name_hashes(self, request_id: str, block_hashes) -> None:
+        """File each block hash not yet named under its token boundary and request."""
+        hbs = self._hash_block_size
+        start = self._named.get(request_id, 0)
+        for i in range(start, len(block_hashes)):
+            self.boundaries.setdefault(bytes(block_hashes[i]).hex(), ((i + 1) * hbs, request_id))
+        self._named[request_id] = len(block_hashes)
+
+    def _name_decode_hashes(self) -> None:
+        """Blocks a running request fills while it decodes get their hashes from
+        vLLM itself (``Request.block_hashes`` grows as output tokens are
+        appended), after preprocess: file them before the step whose puts
+        write them, so a decode put names its request and boundary too."""
+        for req in self.scheduler.running:
+            if len(req.block_hashes) > self._named.get(req.request_id, 0):
+                self._name_hashes(req.request_id, req.block_hashes)
 
     def _before_step(self) -> None:
         if self.session is not None:
+            self._name_decode_hashes()
             self.session.set_step(self._step)
 
     def _after_step(self) -> None:
