@@ -154,6 +154,13 @@ def test_a_server_killed_with_kill_9_leaves_a_trace_that_reads_and_replays(serve
                 if first_step.get(row["id"], last_arrival) < last_arrival]
     assert len(compared) >= 20
     assert [got[r["id"]] for r in compared] == [r["num_cached_tokens"] for r in compared]
+    # The check of the recording against itself rests on what it holds whole.
+    assert trace.cut_step is not None
+    check = run("-m", "replayer", "check", "--against", "recorded", "--engine",
+                "vllm==0.32.0", out)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f" up to step {trace.cut_step}\nthe recording was cut short (no clean stop) after " \
+        f"step {trace.cut_step}: " in check.stdout, check.stdout
 
 
 def test_live_request_fields_that_change_cache_reads_are_recorded_and_replay(serve_venv,
