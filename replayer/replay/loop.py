@@ -293,187 +293,232 @@ class ReplayRun:
     def _steps(self, trace: Trace, engine: EngineAdapter,
                progress: Callable[[Progress], None] | None, shortcuts: bool,
                sink: Callable[[RequestOutcome], None] | None):
-        """The replay loop, as a generator that yields at each pause."""
+        """The replay loop, as a generator that yields at each pause: each pass runs
+        the events and arrivals due, then one engine step and what it produced."""
         t_start = self._t_start
+        s = _LoopState(trace, engine, shortcuts, sink)
+        stopped = False
+        while True:
+            if s.clock >= self._pause_at:
+                self._paused_at(s)
+                yield
+            if s.totals["requests"] >= self._stop_after:
+                stopped = True
+                break
+            for ev in s.schedule.events_due(s.clock):
+                s.run_event(ev)
+            for i in s.schedule.arrivals_due(s.clock):
+                s.add(i)
+            if not engine.has_unfinished():
+                s.hand_on()
+                nxt = s.schedule.next_point()
+                if nxt is None:
+                    break
+                s.clock = max(s.clock, nxt)
+                continue
+            res = s.step()
+            s.model_output(res)
+            s.finished(res)
+            if progress is not None:
+                progress(Progress(s.done, s.n, s.steps_run, s.prompt_done, s.cached_done))
+        s.end(stopped)
+        self._paused_at(s)
+        return s.result(t_start)
+
+    def _paused_at(self, s: "_LoopState") -> None:
+        self.clock, self.steps_run, self.idle = s.clock, s.steps_run, s.idle
+        self.since_progress, self.handed = s.since_progress, s.totals["requests"]
+
+
+class _LoopState:
+    """What the replay loop's passes share: the trace's rows, the requests arrived
+    and not yet handed on, and the counters; one method for each thing that
+    happens in a pass (an arrival, an event, an engine step, its model output,
+    the requests it finished)."""
+
+    def __init__(self, trace: Trace, engine: EngineAdapter, shortcuts: bool,
+                 sink: Callable[[RequestOutcome], None] | None) -> None:
         refuse_unsupported(trace)
-        rows = request_rows(trace.requests)
-        tokens = TokenSource(trace.header, trace.requests, trace.request_lists)
-        n_spec = trace.engine.num_speculative_tokens
+        self.engine = engine
+        self.shortcuts = shortcuts
+        self.sink = sink
+        self.rows = request_rows(trace.requests)
+        self.tokens = TokenSource(trace.header, trace.requests, trace.request_lists)
+        self.n_spec = trace.engine.num_speculative_tokens
         accepted = recorded_accepted(trace)
         if accepted:
             engine.hold_accepted(accepted)
         engine.ask_top_logprobs(trace.logprob_topk)
         events = trace.events.to_pylist() if trace.events is not None else []
-        schedule = Schedule(rows.arrival_step, rows.after, events)
-        n = len(rows.ids)
+        self.schedule = Schedule(self.rows.arrival_step, self.rows.after, events)
+        self.n = len(self.rows.ids)
         # Rows of the requests events name (abort and evict targets), found once.
         targets = {ev.get("target") for ev in events} - {None}
-        target_row = {rid: i for i, rid in enumerate(rows.ids) if rid in targets} if targets else {}
+        self.target_row = ({rid: i for i, rid in enumerate(self.rows.ids) if rid in targets}
+                           if targets else {})
         evicted = {ev["target"] for ev in events if ev["action"] == "evict"} - {None}
         if evicted:
             engine.track_blocks(evicted)
-        arrived = np.zeros(n, dtype=bool)
-        live: dict[str, int] = {}                         # arrived, not finished: id -> row
-        pending: dict[int, RequestOutcome] = {}          # arrived, not yet handed on: row -> outcome
-        order: deque[int] = deque()                       # rows of pending, in arrival order
-        kept: list[RequestOutcome] = []
-        totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}   # of handed-on outcomes
-        finished_engine_step: dict[str, int] = {}
-        clock = steps_run = idle = done = prompt_done = cached_done = 0
-        since_progress = 0
-        stopped = False
+        self.arrived = np.zeros(self.n, dtype=bool)
+        self.live: dict[str, int] = {}                  # arrived, not finished: id -> row
+        self.pending: dict[int, RequestOutcome] = {}    # arrived, not yet handed on: row -> outcome
+        self.order: deque[int] = deque()                # rows of pending, in arrival order
+        self.kept: list[RequestOutcome] = []
+        self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}   # handed on
+        self.finished_engine_step: dict[str, int] = {}
+        self.clock = self.steps_run = self.idle = self.done = 0
+        self.prompt_done = self.cached_done = self.since_progress = 0
 
-        def add(i: int) -> None:
-            prompt = tokens.prompt(i)
-            blocks = tokens.prompt_blocks(i) if shortcuts else None
-            rid = rows.ids[i]
-            output_len = rows.output_len[i]
-            engine.add_request(EngineRequest(
-                id=rid, prompt_tokens=prompt.tolist(),
-                output_tokens=tokens.output(i, output_len, n_spec + 1).tolist(),
-                output_len=output_len, cache_salt=rows.cache_salt[i],
-                priority=rows.priority[i] or 0,
-                skip_reading_prefix_cache=bool(rows.skip_reading_prefix_cache[i]),
-                prompt_block_ids=blocks[0] if blocks else None,
-                prompt_block_tokens=blocks[1] if blocks else 0))
-            tokens.release(i)                 # a streamed trace drops the row's lists
-            arrived[i] = True
-            live[rid] = i
-            order.append(i)
-            pending[i] = RequestOutcome(id=rid, arrival_step=clock, num_prompt_tokens=len(prompt))
+    def add(self, i: int) -> None:
+        """Row ``i`` arrives: into the engine, and pending in arrival order."""
+        rows, tokens = self.rows, self.tokens
+        prompt = tokens.prompt(i)
+        blocks = tokens.prompt_blocks(i) if self.shortcuts else None
+        rid = rows.ids[i]
+        output_len = rows.output_len[i]
+        self.engine.add_request(EngineRequest(
+            id=rid, prompt_tokens=prompt.tolist(),
+            output_tokens=tokens.output(i, output_len, self.n_spec + 1).tolist(),
+            output_len=output_len, cache_salt=rows.cache_salt[i],
+            priority=rows.priority[i] or 0,
+            skip_reading_prefix_cache=bool(rows.skip_reading_prefix_cache[i]),
+            prompt_block_ids=blocks[0] if blocks else None,
+            prompt_block_tokens=blocks[1] if blocks else 0))
+        tokens.release(i)                 # a streamed trace drops the row's lists
+        self.arrived[i] = True
+        self.live[rid] = i
+        self.order.append(i)
+        self.pending[i] = RequestOutcome(id=rid, arrival_step=self.clock,
+                                         num_prompt_tokens=len(prompt))
 
-        def hand_on() -> None:
-            """Outcomes at the front of arrival order that are complete, to the sink."""
-            while order and pending[order[0]].finish_step is not None:
-                out = pending.pop(order.popleft())
-                totals["requests"] += 1
-                totals["prompt_tokens"] += out.num_prompt_tokens
-                totals["cached_tokens"] += out.num_cached_tokens or 0
-                if sink is None:
-                    kept.append(out)
-                else:
-                    sink(out)
-                    # Nothing reads it any more (explain keeps every outcome):
-                    # memory follows the live requests.
-                    finished_engine_step.pop(out.id, None)
-                    engine.forget(out.id)
+    def hand_on(self) -> None:
+        """Outcomes at the front of arrival order that are complete, to the sink."""
+        order, pending, totals = self.order, self.pending, self.totals
+        while order and pending[order[0]].finish_step is not None:
+            out = pending.pop(order.popleft())
+            totals["requests"] += 1
+            totals["prompt_tokens"] += out.num_prompt_tokens
+            totals["cached_tokens"] += out.num_cached_tokens or 0
+            if self.sink is None:
+                self.kept.append(out)
+            else:
+                self.sink(out)
+                # Nothing reads it any more (explain keeps every outcome):
+                # memory follows the live requests.
+                self.finished_engine_step.pop(out.id, None)
+                self.engine.forget(out.id)
 
-        def run_event(ev: Event) -> None:
-            if ev.action == "reset_prefix_cache":
-                if not engine.reset_prefix_cache():
-                    raise ReplayError(f"event reset_prefix_cache ({ev.why}) failed at step {clock}: "
-                                      "running requests still hold KV blocks")
-            elif ev.action == "abort":
-                row = target_row[ev.target]
-                if not arrived[row]:
-                    raise ReplayError(f"event abort ({ev.why}) at step {clock}: request "
-                                      f"{ev.target!r} has not arrived yet")
-                if ev.target in live:
-                    engine.abort(ev.target)
-                    del live[ev.target]
-                    res = pending[row]
-                    res.aborted = True
-                    res.finish_step = clock
-            elif ev.action in ("evict", "store_remove", "store_fault"):
-                run_targeted(engine, ev, clock,
-                             arrived=None if ev.target is None else bool(arrived[target_row[ev.target]]))
-            else:  # validated when the trace was read
-                raise ReplayError(f"unknown event action {ev.action!r}")
+    def run_event(self, ev: Event) -> None:
+        engine, clock = self.engine, self.clock
+        if ev.action == "reset_prefix_cache":
+            if not engine.reset_prefix_cache():
+                raise ReplayError(f"event reset_prefix_cache ({ev.why}) failed at step {clock}: "
+                                  "running requests still hold KV blocks")
+        elif ev.action == "abort":
+            row = self.target_row[ev.target]
+            if not self.arrived[row]:
+                raise ReplayError(f"event abort ({ev.why}) at step {clock}: request "
+                                  f"{ev.target!r} has not arrived yet")
+            if ev.target in self.live:
+                engine.abort(ev.target)
+                del self.live[ev.target]
+                res = self.pending[row]
+                res.aborted = True
+                res.finish_step = clock
+        elif ev.action in ("evict", "store_remove", "store_fault"):
+            run_targeted(engine, ev, clock, arrived=None if ev.target is None
+                         else bool(self.arrived[self.target_row[ev.target]]))
+        else:  # validated when the trace was read
+            raise ReplayError(f"unknown event action {ev.action!r}")
 
-        while True:
-            if clock >= self._pause_at:
-                self.clock, self.steps_run, self.idle = clock, steps_run, idle
-                self.since_progress, self.handed = since_progress, totals["requests"]
-                yield
-            if totals["requests"] >= self._stop_after:
-                stopped = True
-                break
-            for ev in schedule.events_due(clock):
-                run_event(ev)
-            for i in schedule.arrivals_due(clock):
-                add(i)
-            if not engine.has_unfinished():
-                hand_on()
-                nxt = schedule.next_point()
-                if nxt is None:
-                    break
-                clock = max(clock, nxt)
+    def step(self) -> Any:
+        """One engine step; a replay that stopped making progress is an error."""
+        res = self.engine.step()
+        self.clock += 1
+        self.steps_run += 1
+        self.idle = 0 if res.executed else self.idle + 1
+        if self.idle >= MAX_IDLE_STEPS:
+            waiting = [self.pending[i].id for i in self.order
+                       if self.pending[i].finish_step is None]
+            raise ReplayError(f"no progress for {MAX_IDLE_STEPS} steps at step {self.clock}: "
+                              f"requests {waiting[:5]} can never be scheduled "
+                              "(do they fit num_gpu_blocks and max_model_len?)")
+        since = self.since_progress = 0 if res.finished else self.since_progress + 1
+        if since >= MIN_STUCK_STEPS and since % MIN_STUCK_STEPS == 0:
+            live_tokens = sum(self.pending[i].num_prompt_tokens + int(self.rows.output_len[i])
+                              for i in self.live.values())
+            if since > 2 * live_tokens:
+                stuck = [self.pending[i].id for i in self.live.values()]
+                raise ReplayError(f"no request finished in {since} steps at step "
+                                  f"{self.clock}: requests {stuck[:5]} keep being preempted "
+                                  "(does num_gpu_blocks hold them side by side?)")
+        return res
+
+    def model_output(self, res: Any) -> None:
+        """A step's hits (a request's first prefill) and logprobs, onto the outcomes."""
+        live, pending = self.live, self.pending
+        for p in res.prefills:
+            row = live.get(p.id)
+            if row is None:
                 continue
-            res = engine.step()
-            clock += 1
-            steps_run += 1
-            idle = 0 if res.executed else idle + 1
-            if idle >= MAX_IDLE_STEPS:
-                waiting = [pending[i].id for i in order if pending[i].finish_step is None]
-                raise ReplayError(f"no progress for {MAX_IDLE_STEPS} steps at step {clock}: "
-                                  f"requests {waiting[:5]} can never be scheduled "
-                                  "(do they fit num_gpu_blocks and max_model_len?)")
-            since_progress = 0 if res.finished else since_progress + 1
-            if since_progress >= MIN_STUCK_STEPS and since_progress % MIN_STUCK_STEPS == 0:
-                live_tokens = sum(pending[i].num_prompt_tokens + int(rows.output_len[i])
-                                  for i in live.values())
-                if since_progress > 2 * live_tokens:
-                    stuck = [pending[i].id for i in live.values()]
-                    raise ReplayError(f"no request finished in {since_progress} steps at step "
-                                      f"{clock}: requests {stuck[:5]} keep being preempted "
-                                      "(does num_gpu_blocks hold them side by side?)")
-            for p in res.prefills:
-                row = live.get(p.id)
-                if row is None:
-                    continue
+            r = pending[row]
+            if r.num_cached_tokens is None:
+                r.num_cached_tokens = p.num_cached_tokens
+                r.num_local_cached_tokens = p.num_local_cached_tokens
+                r.num_external_cached_tokens = p.num_external_cached_tokens
+                r.prefill_step = self.clock - 1
+                if p.group_hits is not None:
+                    r.group_hits = list(p.group_hits)
+        for rid, values in res.logprobs.items():
+            row = live.get(rid)
+            if row is not None:
                 r = pending[row]
-                if r.num_cached_tokens is None:
-                    r.num_cached_tokens = p.num_cached_tokens
-                    r.num_local_cached_tokens = p.num_local_cached_tokens
-                    r.num_external_cached_tokens = p.num_external_cached_tokens
-                    r.prefill_step = clock - 1
-                    if p.group_hits is not None:
-                        r.group_hits = list(p.group_hits)
-            for rid, values in res.logprobs.items():
-                row = live.get(rid)
-                if row is not None:
-                    r = pending[row]
-                    r.logprobs = (r.logprobs or []) + values
-            for rid, (top, prompt) in res.distributions.items():
-                row = live.get(rid)
-                if row is not None:
-                    pending[row].top_logprobs, pending[row].prompt_logprobs = top, prompt
-            for rid in res.finished:
-                row = live.pop(rid, None)
-                if row is None:         # aborted by an event already
-                    continue
-                r = pending[row]
-                if r.finish_step is None:
-                    r.finish_step = clock - 1
-                    finished_engine_step[rid] = steps_run
-                done += 1
-                prompt_done += r.num_prompt_tokens
-                cached_done += r.num_cached_tokens or 0
-                events_after, followers = schedule.after(rid)
-                for ev in events_after:
-                    run_event(ev)
-                for j in followers:
-                    add(j)
-            if res.finished:
-                hand_on()
-            if progress is not None:
-                progress(Progress(done, n, steps_run, prompt_done, cached_done))
-        tokens.close()
-        if not stopped and not arrived.all():
-            unfinished = [rows.ids[int(i)] for i in np.flatnonzero(~arrived)[:5]]
+                r.logprobs = (r.logprobs or []) + values
+        for rid, (top, prompt) in res.distributions.items():
+            row = live.get(rid)
+            if row is not None:
+                pending[row].top_logprobs, pending[row].prompt_logprobs = top, prompt
+
+    def finished(self, res: Any) -> None:
+        """The requests a step finished, and the events and arrivals waiting on them."""
+        for rid in res.finished:
+            row = self.live.pop(rid, None)
+            if row is None:         # aborted by an event already
+                continue
+            r = self.pending[row]
+            if r.finish_step is None:
+                r.finish_step = self.clock - 1
+                self.finished_engine_step[rid] = self.steps_run
+            self.done += 1
+            self.prompt_done += r.num_prompt_tokens
+            self.cached_done += r.num_cached_tokens or 0
+            events_after, followers = self.schedule.after(rid)
+            for ev in events_after:
+                self.run_event(ev)
+            for j in followers:
+                self.add(j)
+        if res.finished:
+            self.hand_on()
+
+    def end(self, stopped: bool) -> None:
+        """The loop is over: every arrival must have come (unless stopped early)."""
+        self.tokens.close()
+        if not stopped and not self.arrived.all():
+            unfinished = [self.rows.ids[int(i)] for i in np.flatnonzero(~self.arrived)[:5]]
             raise ReplayError(f"requests never arrived: {unfinished} (an 'after' chain that "
                               "never completes?)")
-        hand_on()
-        self.clock, self.steps_run, self.idle = clock, steps_run, idle
-        self.since_progress, self.handed = since_progress, totals["requests"]
-        return ReplayResult(engine=engine.info, requests=kept,
-                            steps=steps_run, store=engine.store_report(),
+        self.hand_on()
+
+    def result(self, t_start: float) -> ReplayResult:
+        engine = self.engine
+        return ReplayResult(engine=engine.info, requests=self.kept,
+                            steps=self.steps_run, store=engine.store_report(),
                             kv_events=engine.kv_event_rows(),
                             kv_groups=engine.kv_groups(), notes=list(engine.notes),
-                            streamed=None if sink is None else totals,
+                            streamed=None if self.sink is None else self.totals,
                             hit_alignment=engine.hit_alignment(), lookups=engine.lookups(),
                             min_gpu_blocks=engine.min_gpu_blocks(),
-                            finished_engine_step=finished_engine_step,
+                            finished_engine_step=self.finished_engine_step,
                             hits_are_first_prefill=engine.hits_are_first_prefill(),
                             timings={"loop_s": time.perf_counter() - t_start,
                                      "vllm_s": engine.vllm_seconds()})
