@@ -187,3 +187,86 @@ def test_preemption_evidence_comes_from_the_adapter():
     assert "never changes a reported hit" in preemption_evidence(said)
     assert "not measured" in preemption_evidence(unknown)
     assert "0.33" not in preemption_evidence(said)
+
+
+def test_a_prefix_shared_below_one_block_is_said():
+    """shared_prefix_below_one_block: second shares 100 tokens with first, under
+    one 128-token block, so its reachable hit is 0 and nothing is lost; explain
+    gives the token-granular figure beside the block-floored one and says why."""
+    from dataclasses import replace
+
+    from replayer.analysis.explain_tables import below_unit_line, render
+
+    ex = explain(load_target(FIXTURES / "scenarios" / "shared_prefix_below_one_block.yaml"))
+    t = ex.table
+    assert t["reachable"].to_list() == [0, 0, 256]
+    assert t["shared_tokens"].to_list() == [0, 100, 300]
+    assert ex.below_unit == {"second": (100, "first")}       # third's 300 reach 256: a hit
+    text = render(ex)
+    assert "  second: shared prefix of 100 tokens (with first) is below one block of 128" in text
+    # Where the prefix-match unit is below the block, the unit is what a hit needs.
+    assert below_unit_line(replace(ex, unit=64), "second").endswith(
+        "is below one unit of 64 (the prefix-match unit; block 128)")
+    assert ex.as_dict()["below_unit"] == [{"id": "second", "shared_tokens": 100,
+                                           "shared_from": "first"}]
+
+
+def test_shared_tokens_count_salted_prompts_apart(tmp_path):
+    """The token-granular figure follows the cache's rules: prompts under another
+    cache salt share nothing, and the last prompt token is never counted."""
+    from traces.model.reachable import shared_tokens
+
+    scen = tmp_path / "salted.yaml"
+    scen.write_text("""\
+engine: {block_size: 16, num_gpu_blocks: 64}
+requests:
+  - {id: a, prompt: [{stream: s, len: 40}]}
+  - {id: b, after: a, cache_salt: x, prompt: [{stream: s, len: 40}]}
+  - {id: c, after: b, prompt: [{stream: s, len: 40}]}
+  - {id: d, after: c, prompt: [{stream: s, len: 7}, {stream: t, len: 9}]}
+""")
+    got = shared_tokens(load_target(scen))
+    assert dict(zip(got["id"].to_list(), got["shared_tokens"].to_list())) == {
+        "a": 0, "b": 0, "c": 39, "d": 7}
+    assert got["shared_from"].to_list() == [None, None, "a", "a"]
+
+
+def test_a_store_miss_is_named_by_group_and_boundary():
+    """store_remove_named_keys: each resend's store loss names the key its lookup
+    missed, by KV-cache group and token boundary, and what removed it."""
+    from replayer.analysis.explain_tables import render
+
+    ex = explain(load_target(FIXTURES / "store" / "store_remove_named_keys.yaml"))
+    assert _lost(ex, "p7449_again")["store"] == 7296
+    said = {rid: [(m.op, m.group, m.boundary, m.how.split(" at ")[0]) for m in ms]
+            for rid, ms in ex.store_misses.items()}
+    assert said == {"p7449_again": [("lookup", 0, 6144, "removed")],
+                    "p23196_again": [("lookup", 1, 21504, "removed")]}
+    text = render(ex)
+    assert "    store: group 0 (full_attention) @ 6144 was written and is gone (removed at step" \
+        in text, text
+
+
+def test_attention_refetched_while_resident_is_a_cost_explain_and_report_show():
+    """refetch_resident_attention: the Mamba group is evicted locally, the attention
+    group still holds 7296 tokens, yet MooncakeStore (no divergent local hybrid
+    hits) loads them again: no token is lost, and the cost is said, from the
+    recorded store ops (the gets p7449_again's load made of group 0)."""
+    from replayer.analysis.explain_tables import render
+    from replayer.analysis.html_report import render_html
+
+    trace = load_target(FIXTURES / "store" / "refetch_resident_attention.yaml")
+    ex = explain(trace)
+    assert _lost(ex, "p7449_again").get("store", 0) == 0
+    r = ex.refetched["p7449_again"]
+    gets = [g for g in ex.baseline.store["rows"] if g["op"] == "get" and g["group"] == 0
+            and g["loader"] == "p7449_again" and g["result"] > 0]
+    assert (r.tokens, r.groups, r.local, r.resident) == (7296, (0,), 0, {0: 7296})
+    assert r.bytes == sum(g["bytes"] for g in gets) > 0
+    assert set(ex.refetched) == {"p7449_again"}
+    line = ("  p7449_again: 7296 tokens (%d bytes) fetched from the store while resident "
+            "locally: group 0 (full_attention) alone held 7296; the local hit was 0" % r.bytes)
+    assert line in render(ex)
+    page = render_html(ex, "refetch", trace.header)
+    assert '<section id="beside-the-causes">' in page
+    assert "p7449_again: 7296 tokens (%d bytes) fetched from the store" % r.bytes in page

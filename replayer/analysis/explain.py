@@ -38,11 +38,12 @@ from typing import Any, Callable
 
 import polars as pl
 
+from replayer.analysis.explain_store import Refetch, StoreMiss, refetched, store_misses
 from replayer.replay.loop import ReplayResult
 from traces import Trace
 from traces.model.engine_spec import RETAIN_DENSE
 from traces.model.errors import TraceError
-from traces.model.reachable import Clock, prefix_match_unit, reachable_hits
+from traces.model.reachable import Clock, prefix_match_unit, reachable_hits, shared_tokens
 from traces.scenarios.what_if import with_sets
 
 CAUSES = ("capacity", "store", "reset", "eagle_drop", "sparse_retention", "sliding_window",
@@ -157,6 +158,15 @@ class Explanation:
     # included), where a Mamba group had no state: id -> (tokens the Mamba groups
     # could serve, tokens the hit needed them to). Part of their sparse_retention.
     mamba_short: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Requests whose reachable hit is 0 although they share a prefix with an
+    # earlier prompt shorter than one unit: id -> (shared tokens, from whom).
+    below_unit: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # Requests that lost tokens to the store: the keys missing, by group and
+    # boundary, on the replay the store counterfactual is measured against.
+    store_misses: dict[str, list[StoreMiss]] = field(default_factory=dict)
+    # Attention tokens fetched from the store while resident locally (baseline).
+    refetched: dict[str, Refetch] = field(default_factory=dict)
+    block_size: int = 0
 
     def totals(self) -> dict[str, int]:
         return {c: int(self.table[f"lost_{c}"].sum()) for c in CAUSES}
@@ -177,9 +187,16 @@ class Explanation:
             reqs.append({"id": r["id"], "reachable": r["reachable"], "actual": r["actual"],
                          "reachable_from": r["reachable_from"],
                          "lost": {c: r[f"lost_{c}"] for c in CAUSES}})
+        kinds = {g["group"]: g["kind"] for g in (self.baseline.kv_groups or [])}
         return {"engine": self.baseline.engine.as_dict(), "prefix_match_unit": self.unit,
                 "hit_alignment": self.hit_alignment, "evidence": self.evidence,
-                "replays": self.replays, "requests": reqs, "summary": self.summary()}
+                "replays": self.replays, "requests": reqs, "summary": self.summary(),
+                "below_unit": [{"id": rid, "shared_tokens": n, "shared_from": src}
+                               for rid, (n, src) in self.below_unit.items()],
+                "store_misses": {rid: [{"op": m.op, "group": m.group, "boundary": m.boundary,
+                                        "result": m.result, "said": m.said(kinds)}
+                                       for m in ms] for rid, ms in self.store_misses.items()},
+                "refetched": {rid: r.as_dict() for rid, r in self.refetched.items()}}
 
     def dumps(self) -> str:
         return json.dumps(self.as_dict(), indent=2) + "\n"
@@ -277,7 +294,10 @@ def explain(trace: Trace, run: Replayer, *,
     replays = [{"change": "baseline (the trace as given)", "summary": base.summary()}]
     current = trace
     last = base
+    before_store = None
     for step in steps:
+        if step.cause == "store":
+            before_store = last
         if run_many is not None:
             last = next(done)
         else:
@@ -331,12 +351,36 @@ def explain(trace: Trace, run: Replayer, *,
     for c in ("store", "reset", "eagle_drop"):
         evidence.setdefault(c, "no such rule in this geometry or trace: nothing to measure")
     why = base.by_id()
+    shared = shared_tokens(trace, _clock(base))
+    if shared is not None:
+        reach = reach.join(shared, on="id", how="left")
+    else:
+        reach = reach.with_columns(pl.col("reachable").alias("shared_tokens"),
+                                   pl.col("reachable_from").alias("shared_from"))
     frame = reach.with_columns(
         pl.Series("actual", [actual[i] for i in ids], dtype=pl.Int64),
         pl.Series("arrival_step", [why[i].arrival_step for i in ids], dtype=pl.Int64),
         *[pl.Series(f"lost_{c}", [lost[c][i] for i in ids], dtype=pl.Int64) for c in CAUSES])
     frame = frame.select("id", "arrival_step", "num_prompt_tokens", "reachable", "actual",
-                         *[f"lost_{c}" for c in CAUSES], "reachable_from")
+                         *[f"lost_{c}" for c in CAUSES], "reachable_from", "shared_tokens")
     return Explanation(engine=trace.engine, unit=unit, hit_alignment=align, table=frame,
                        evidence={c: evidence[c] for c in CAUSES}, replays=replays,
-                       baseline=base, mamba_short=mamba_short)
+                       baseline=base, mamba_short=mamba_short,
+                       **_beside_the_causes(trace, frame, reach, base, before_store))
+
+
+def _beside_the_causes(trace: Trace, frame: pl.DataFrame, reach: pl.DataFrame,
+                       base: ReplayResult, before_store: ReplayResult | None) -> dict[str, Any]:
+    """What no lost token shows: a prefix shared below one unit, the store keys a
+    store loss missed, and attention the store fetched again while resident."""
+    below = reach.filter((pl.col("reachable") == 0) & (pl.col("shared_tokens") > 0))
+    lost_store = frame.filter(pl.col("lost_store") != 0)["id"].to_list()
+    engine = trace.sized_engine()
+    return {"below_unit": dict(zip(below["id"].to_list(),
+                                   zip(below["shared_tokens"].to_list(),
+                                       below["shared_from"].to_list()))),
+            "store_misses": (store_misses(before_store, lost_store)
+                             if before_store is not None and lost_store else {}),
+            "refetched": refetched(base, {i: g.block_size
+                                          for i, g in enumerate(engine.kv_groups)}),
+            "block_size": int(engine.block_size)}

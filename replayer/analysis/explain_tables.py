@@ -53,6 +53,7 @@ def render(ex: Explanation, top: int = 5, rows: int = TABLE_ROWS) -> str:
         n = s["lost"][c]
         out.append(f"  {c:<{width}}  {n:>10}  {_pct(n, lost) if n else '':>6}  "
                    f"{ex.evidence[c]}")
+    out += beside_the_causes(ex)
     worst = (ex.table.with_columns((pl.col("reachable") - pl.col("actual")).alias("lost"))
              .filter(pl.col("lost") != 0)
              .sort(["lost", "arrival_step"], descending=[True, False]).head(top))
@@ -67,6 +68,8 @@ def render(ex: Explanation, top: int = 5, rows: int = TABLE_ROWS) -> str:
         why = explain_groups(by_id.get(r["id"]), ex.baseline.kv_groups)
         if why:
             out.append(f"    why: {why}")
+        if r["id"] in ex.store_misses:
+            out.append(f"    store: {store_miss_line(ex, r['id'])}")
         if r["id"] in ex.mamba_short:
             low, need = ex.mamba_short[r["id"]]
             out.append(f"    {need - low} of its sparse_retention: on the last replay "
@@ -74,6 +77,51 @@ def render(ex: Explanation, top: int = 5, rows: int = TABLE_ROWS) -> str:
                        f"of the {need} it shares: none was written at {need} (only where a "
                        "prefill chunk ended, or at a junction a lookup found first)")
     return "\n".join(out)
+
+
+def _kinds(ex: Explanation) -> dict[int, str]:
+    return {g["group"]: g["kind"] for g in (ex.baseline.kv_groups or [])}
+
+
+def below_unit_line(ex: Explanation, rid: str) -> str:
+    """Why a request that shares a prefix has a reachable hit of 0."""
+    shared, src = ex.below_unit[rid]
+    unit = (f"one block of {ex.block_size}" if ex.unit == ex.block_size else
+            f"one unit of {ex.unit} (the prefix-match unit; block {ex.block_size})")
+    return f"shared prefix of {shared} tokens (with {src}) is below {unit}"
+
+
+def store_miss_line(ex: Explanation, rid: str) -> str:
+    """The keys a request's store loss missed, by group and boundary."""
+    return "; ".join(m.said(_kinds(ex)) for m in ex.store_misses[rid])
+
+
+def refetch_line(ex: Explanation, rid: str) -> str:
+    r = ex.refetched[rid]
+    kinds = _kinds(ex)
+    groups = ", ".join(f"group {g} ({kinds.get(g, '?')}) alone held {r.resident[g]}"
+                       for g in r.groups)
+    return (f"{r.tokens} tokens ({r.bytes} bytes) fetched from the store while resident "
+            f"locally: {groups}; the local hit was {r.local}")
+
+
+def beside_the_causes(ex: Explanation) -> list[str]:
+    """Lines for what loses no token: prefixes shared below one unit, and with a
+    connector the attention the store fetched again while it was resident."""
+    out = []
+    if ex.below_unit:
+        out.append(f"shared below one unit ({len(ex.below_unit)} request(s), reachable 0, "
+                   "nothing vLLM can hit: a hit is whole units):")
+        out += [f"  {rid}: {below_unit_line(ex, rid)}" for rid in ex.below_unit]
+    if ex.engine.connector:
+        tokens = sum(r.tokens for r in ex.refetched.values())
+        nbytes = sum(r.bytes for r in ex.refetched.values())
+        out.append(f"refetched: {tokens} tokens, {nbytes} bytes in {len(ex.refetched)} "
+                   "request(s) (a cost, not lost tokens: attention blocks fetched from the "
+                   "store while resident locally, where the local hit, which every group "
+                   "must agree on, stopped below them)")
+        out += [f"  {rid}: {refetch_line(ex, rid)}" for rid in ex.refetched]
+    return out
 
 
 def write_parquet_atomic(path: str | os.PathLike, frame: pl.DataFrame) -> None:

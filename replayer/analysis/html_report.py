@@ -15,6 +15,7 @@ from typing import Any
 import polars as pl
 
 from replayer.analysis.explain import CAUSES, Explanation
+from replayer.analysis.explain_tables import beside_the_causes, store_miss_line
 
 BUCKETS = 40
 
@@ -119,6 +120,22 @@ def _figures(ex: Explanation, trace_header: dict[str, Any],
     return figs
 
 
+def _notes(ex: Explanation) -> str:
+    """What loses no token or names a loss's key, as ``explain`` prints it: prefixes
+    shared below one unit, attention refetched from the store while resident,
+    and the store keys each store loss missed."""
+    lines = beside_the_causes(ex)
+    misses = [f"{rid}: {store_miss_line(ex, rid)}" for rid in ex.store_misses]
+    if misses:
+        lines.append(f"store misses by group and boundary ({len(misses)} request(s)):")
+        lines += [f"  {m}" for m in misses]
+    if not lines:
+        return ""
+    items = "".join(f'<li class="{"sub" if line.startswith("  ") else "head"}">'
+                    f"{html.escape(line.strip())}</li>" for line in lines)
+    return f'<section id="beside-the-causes"><h2>Beside the causes</h2><ul>{items}</ul></section>'
+
+
 def render_html(ex: Explanation, target: str, trace_header: dict[str, Any],
                 sweep: dict[str, Any] | None = None) -> str:
     s = ex.summary()
@@ -135,9 +152,11 @@ def render_html(ex: Explanation, target: str, trace_header: dict[str, Any],
             f"{s['prompt_tokens']} prompt tokens; reachable {s['reachable']} "
             f"({s['reachable_rate']:.1%}), actual {s['actual']} ({s['hit_rate']:.1%}); "
             f"prefix-match unit {ex.unit}, hit alignment {ex.hit_alignment}</p>"
-            f"<table><tr><th>cause</th><th>lost tokens</th><th>evidence</th></tr>{lost}</table>")
+            f"<table><tr><th>cause</th><th>lost tokens</th><th>evidence</th></tr>{lost}</table>"
+            + _notes(ex))
     style = ("<style>body{font-family:sans-serif;margin:24px;max-width:1100px}"
              "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;"
-             "padding:3px 6px;text-align:left}section{margin-top:18px}</style>")
+             "padding:3px 6px;text-align:left}section{margin-top:18px}"
+             "li.sub{margin-left:1.5em;list-style:circle}</style>")
     return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>prefix-replayer report"
             f"</title>{style}{_PROBE}</head><body>{head}{''.join(parts)}</body></html>\n")

@@ -268,3 +268,67 @@ def reachable_hits(trace: Trace, clock: Clock | None = None) -> pl.DataFrame:
            .sort("pos"))
     return out.select(pl.col("id"), pl.col("pos").alias("arrival_pos"), "num_prompt_tokens",
                       "reachable", "reachable_from", "cap")
+
+
+_TOKEN_DOMAIN = np.uint64(0x5EED_0F_0417_0004)
+
+
+def _token_prefix_hashes(hasher: _UnitHasher, tokens: np.ndarray, seed: int) -> np.ndarray:
+    """``P_L`` for L = 1..len(tokens): a hash naming the first L tokens, made of
+    the chain hash of its whole units and a position-weighted sum of the rest."""
+    n, unit = len(tokens), hasher.unit
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        head = mix(np.asarray([seed], dtype=np.uint64) ^ _TOKEN_DOMAIN)
+        prev = np.concatenate([head, hasher.chain(hasher.from_tokens(tokens), seed)])
+        length = np.arange(1, n + 1, dtype=np.int64)
+        k = (length - 1) // unit
+        m = np.asarray(tokens, dtype=np.int64).astype(np.uint64)
+        c = np.cumsum(m * hasher.token_weights[(length - 1) % unit], dtype=np.uint64)
+        before = np.where(k > 0, c[np.maximum(k * unit - 1, 0)], np.uint64(0))
+        return mix(prev[k] ^ mix((c - before) ^ _TOKEN_DOMAIN)
+                   ^ mix(length.astype(np.uint64) * _GOLDEN))
+
+
+def shared_tokens(trace: Trace, clock: Clock | None = None) -> pl.DataFrame | None:
+    """Per request, in lookup order: ``id``, ``shared_tokens`` (the longest common
+    token prefix with any prompt looked up before it, within one cache salt and
+    LoRA, capped at ``num_tokens - 1`` as vLLM's lookup is) and ``shared_from``.
+
+    The token-granular figure beside :func:`reachable_hits`' unit-floored one,
+    so a prefix shorter than one unit is said, not read as 0. Each prompt's
+    every prefix is hashed (:func:`_token_prefix_hashes`), and a polars
+    ``group_by`` plus ``join`` find the longest one seen earlier, as for units.
+    None for a trace whose prompts are block ids: identical ids name identical
+    whole blocks, so its unit-floored figure is already the token one."""
+    clock = clock or trace_clock(trace)
+    unit = prefix_match_unit(trace.engine)
+    if not _token_hashed(trace, unit):
+        return None
+    rows = request_rows(trace.requests)
+    row_of = {rid: i for i, rid in enumerate(rows.ids)}
+    tokens = TokenSource(trace.header, trace.requests)
+    hasher = _UnitHasher(unit)
+    look_pos, look_h, seen_h, seen_pos = [], [], [], []
+    for p, rid in enumerate(clock.order):
+        i = row_of[rid]
+        seed = _namespace(rows.cache_salt[i], rows.lora_name[i])
+        h = _token_prefix_hashes(hasher, tokens.prompt(i), seed)
+        look_pos.append(np.full(max(len(h) - 1, 0), p, dtype=np.int64))
+        look_h.append(h[:-1])
+        seen_h.append(h)
+        seen_pos.append(np.full(len(h), p, dtype=np.int64))
+    n = len(clock.order)
+    cat = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt))
+    look = pl.DataFrame({"pos": cat(look_pos, np.int64), "h": cat(look_h, np.uint64)})
+    look = look.with_columns(pl.int_range(1, pl.len() + 1).over("pos").alias("len"))
+    seen = pl.DataFrame({"h": cat(seen_h, np.uint64), "src": cat(seen_pos, np.int64)})
+    first = seen.group_by("h").agg(pl.col("src").min())
+    hits = (look.join(first, on="h", how="inner").filter(pl.col("src") < pl.col("pos"))
+            .sort(["pos", "len"]).group_by("pos", maintain_order=True)
+            .agg(pl.col("len").last().alias("shared_tokens"), pl.col("src").last()))
+    names = pl.DataFrame({"src": np.arange(n, dtype=np.int64), "shared_from": clock.order})
+    base = pl.DataFrame({"pos": np.arange(n, dtype=np.int64), "id": clock.order})
+    return (base.join(hits, on="pos", how="left").join(names, on="src", how="left")
+            .sort("pos").select("id", pl.col("shared_tokens").fill_null(0), "shared_from"))

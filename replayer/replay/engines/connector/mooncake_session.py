@@ -64,13 +64,17 @@ class InProcessLookupClient:
         blob = memoryview(b"".join(hashes))
         store = self.session.recorder
         store.phase = "lookup"
+        first = len(store.ops.rows)
         try:
             result = self.session.worker.lookup(num_tokens, BlobBlockHashes(blob, hash_len))
         finally:
             store.phase = "exists"
         result = decode_lookup_response(encode_lookup_response(result))
+        # rows: the store_ops rows this lookup made ([first, end)), so a miss can
+        # be named by its group and boundary.
         store.ops.lookups.append({"request": req_id, "num_tokens": num_tokens,
-                                  "hit_length": int(result.hit_length), "step": store.step})
+                                  "hit_length": int(result.hit_length), "step": store.step,
+                                  "rows": [first, len(store.ops.rows)]})
         return result
 
     def discard(self, req_id: str) -> None:
