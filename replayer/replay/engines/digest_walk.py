@@ -37,15 +37,32 @@ class DigestError(Exception):
     """A value the digest cannot encode: the boundary it was taken at is not trusted."""
 
 
+_SLOTS: dict[type, tuple[str, ...]] = {}
+_MISSING = object()
+
+
+def _slot_names(kind: type) -> tuple[str, ...]:
+    out: list[str] = []
+    for cls in kind.__mro__:
+        slots = getattr(cls, "__slots__", ())
+        out.extend(n for n in ((slots,) if isinstance(slots, str) else slots)
+                   if not n.startswith("__"))          # __dict__, __weakref__
+    return tuple(out)
+
+
 def fields(x: Any) -> list[tuple[str, Any]]:
-    """An object's fields: its ``__dict__``, or its slots through the class tree."""
-    if hasattr(x, "__dict__"):
-        return list(vars(x).items())
+    """An object's fields: its slots through the class tree, then its ``__dict__``."""
+    kind = type(x)
+    names = _SLOTS.get(kind)
+    if names is None:
+        names = _SLOTS[kind] = _slot_names(kind)
     out = []
-    for cls in type(x).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if hasattr(x, name):
-                out.append((name, getattr(x, name)))
+    for name in names:
+        value = getattr(x, name, _MISSING)
+        if value is not _MISSING:
+            out.append((name, value))
+    if hasattr(x, "__dict__"):
+        out.extend(vars(x).items())
     return out
 
 
@@ -66,12 +83,15 @@ class Canon:
         self.excluded = excluded
         self.refs = tuple(refs.items())
         self._seen: dict[int, int] = {}
+        self._skipped: dict[type, frozenset[str]] = {}
 
-    def skipped(self, x: Any) -> set[str]:
+    def skipped(self, x: Any) -> frozenset[str]:
         """The fields of ``x`` its class (or a base) excludes."""
-        out: set[str] = set()
-        for cls in type(x).__mro__:
-            out.update(self.excluded.get(cls.__name__, ()))
+        kind = type(x)
+        out = self._skipped.get(kind)
+        if out is None:
+            out = self._skipped[kind] = frozenset(
+                name for cls in kind.__mro__ for name in self.excluded.get(cls.__name__, ()))
         return out
 
     def enc(self, x: Any, path: str) -> str:
@@ -128,7 +148,7 @@ class Canon:
         if key in self._seen:
             return f"<again {type(x).__name__} {self._seen[key]}>"
         self._seen[key] = len(self._seen)
-        skip = self.skipped(x) | also_skip
+        skip = self.skipped(x) | also_skip if also_skip else self.skipped(x)
         body = ",".join(f"{k}={self.enc(v, f'{path}.{k}')}"
                         for k, v in fields(x) if k not in skip)
         return f"{type(x).__name__}({body})"
