@@ -245,3 +245,12 @@ class EngineAdapter(ABC):
         """Whether the hit vLLM reports is the request's first scheduled prefill, so
         that a preemption's repeat prefill never changes it; None: not known."""
         return None
+
+
+def held_acceptance(accepted: dict[tuple[str, int], int], rid: str, verification: int,
+                    proposed: int) -> int:
+    """Drafts of ``rid`` accepted at its ``verification``-th verification when
+    the replay holds acceptance to a recorded steps table: as recorded, never
+    more than were proposed (all of them where the table is silent). The one
+    rule the null executor's sampled tokens and the model worker's drafts share."""
+    return min(proposed, accepted.get((rid, verification), proposed))

@@ -43,6 +43,7 @@ from replayer.replay.engines.base import (
     EngineRequest,
     PrefillOutcome,
     StepResult,
+    held_acceptance,
 )
 from replayer.replay.engines.prefix_hashes import PrefixHashCache
 from replayer.replay.engines.top_logprobs import TopLogprobCollector
@@ -58,6 +59,7 @@ def _done(value: Any) -> Future:
     f: Future = Future()
     f.set_result(value)
     return f
+
 
 
 class _Ready:
@@ -267,7 +269,7 @@ class CoreEngine(EngineAdapter):
                 if self._accepted is not None and k > 1:
                     i = self._verified.get(rid, 0)
                     self._verified[rid] = i + 1
-                    k = 1 + min(k - 1, self._accepted.get((rid, i), k - 1))
+                    k = 1 + held_acceptance(self._accepted, rid, i, k - 1)
                 sampled.append(self._outputs[rid][n:n + k])
                 self._sampled.append(rid)
             else:

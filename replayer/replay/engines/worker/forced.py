@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from replayer.replay.engines.base import EngineError
+from replayer.replay.engines.base import EngineError, held_acceptance
 
 
 class ForcedTokenError(EngineError):
@@ -156,7 +156,7 @@ class ForcedTokens:
             n = self.num_outputs(rid)
             true = list(tokens[n:n + num_spec])
             if self.accepted is not None and true:
-                keep = self.accepted.get((rid, self.verified.get(rid, 0)), num_spec)
+                keep = held_acceptance(self.accepted, rid, self.verified.get(rid, 0), num_spec)
                 if keep < len(true):
                     true[keep] = (true[keep] + 1) % self.vocab_size
             out.append(true)
