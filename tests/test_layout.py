@@ -40,3 +40,44 @@ def test_an_upward_arrow_is_caught(tmp_path: Path) -> None:
     done = lint(str(config))
     assert done.returncode == 1, done.stdout[-2000:]
     assert "BROKEN" in done.stdout and "replayer.cli" in done.stdout
+
+
+# Rooms held to functions a screen long: a function over SCREEN lines says why on
+# the line above its ``def`` (``# long: REASON``); none is over LIMIT at all.
+SCREEN, LIMIT = 60, 80
+SHORT_ROOMS = ("replayer/replay", "replayer/check")
+
+
+def long_functions(root: Path, base: Path = REPO) -> list[tuple[int, str, bool]]:
+    """(lines, ``path:name`` with the path from ``base``, whether a reason is
+    written) of every function over :data:`SCREEN` lines under ``root``."""
+    import ast
+
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                size = node.end_lineno - node.lineno + 1
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                said = first >= 2 and lines[first - 2].strip().startswith("# long:")
+                if size > SCREEN:
+                    found.append((size, f"{path.relative_to(base)}:{node.name}", said))
+    return found
+
+
+def test_functions_are_a_screen_long_in_the_replay_and_the_checks() -> None:
+    found = [f for room in SHORT_ROOMS for f in long_functions(REPO / room)]
+    too_long = [f"{name} ({size} lines)" for size, name, _ in found if size > LIMIT]
+    unexplained = [f"{name} ({size} lines)" for size, name, said in found
+                   if size <= LIMIT and not said]
+    assert not too_long, f"over {LIMIT} lines: {too_long}"
+    assert not unexplained, f"over {SCREEN} lines with no '# long:' reason: {unexplained}"
+
+
+def test_the_length_rule_sees_a_long_function(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(SCREEN + 5))
+    (tmp_path / "m.py").write_text(f"def quiet():\n{body}\n\n\n# long: a table\ndef said():\n{body}\n")
+    found = sorted(long_functions(tmp_path, base=tmp_path))
+    assert [(name, said) for _, name, said in found] == [("m.py:quiet", False), ("m.py:said", True)]
