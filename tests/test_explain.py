@@ -270,3 +270,36 @@ def test_attention_refetched_while_resident_is_a_cost_explain_and_report_show():
     page = render_html(ex, "refetch", trace.header)
     assert '<section id="beside-the-causes">' in page
     assert "p7449_again: 7296 tokens (%d bytes) fetched from the store" % r.bytes in page
+
+
+def test_a_store_miss_names_a_key_never_written_or_emptied_away():
+    """The rules of a store miss on rows as --store-ops writes them: a key written
+    then emptied by remove_all is named with that; with nothing written and gone,
+    each group's first missing key past the lookup's hit; a failed get by code."""
+    from types import SimpleNamespace
+
+    from replayer.analysis.explain_store import store_misses
+
+    def row(order, op, group, boundary, result, key=None, step=0, loader=None):
+        return {"order": order, "step": step, "op": op, "group": group, "boundary": boundary,
+                "key": key or f"m@group:{group}@h{boundary}", "result": result,
+                "loader": loader, "bytes": 64}
+
+    rows = [row(0, "put", 0, 16, 0), row(1, "remove_all", None, None, 0, key="-", step=2),
+            row(2, "lookup", 0, 16, 0, step=3), row(3, "lookup", 1, 16, 0, step=3),
+            row(4, "lookup", 0, 32, 1, step=4), row(5, "lookup", 0, 48, 0, step=4),
+            row(6, "lookup", 1, 48, 0, step=4), row(7, "lookup", 1, 64, 0, step=4),
+            row(8, "get", 0, 32, -900, step=4, loader="b")]
+    rows[1]["key"] = None
+    lookups = [{"request": "a", "hit_length": 0, "rows": [2, 4]},
+               {"request": "b", "hit_length": 32, "rows": [4, 8]}]
+    result = SimpleNamespace(store={"rows": rows, "lookups": lookups})
+    got = store_misses(result, ["a", "b"])
+    kinds = {0: "full_attention", 1: "mamba"}
+    assert [m.said(kinds) for m in got["a"]] == [
+        "group 0 (full_attention) @ 16 was written and is gone (the store emptied at step 2)"]
+    assert [m.said(kinds) for m in got["b"]] == [
+        "group 0 (full_attention) @ 48 was never written (the first key past the store's hit)",
+        "group 1 (mamba) @ 48 was never written (the first key past the store's hit)",
+        "group 0 (full_attention) @ 32: its get returned RPC_FAIL (-900)"]
+    assert store_misses(result, ["c"]) == {}
