@@ -4,7 +4,7 @@ recording observed."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from replayer.cli.common import (
     EXIT_MISMATCH,
@@ -50,25 +50,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from replayer.replay.engines import UnsupportedByEngine
     from replayer.replay.engines.sources.specs import parse_spec, resolve_unless_known
-    from replayer.replay.execution.clients import engine_runner
 
-    if (args.recompute_topk is not None or args.recompute_only) and not args.recompute:
-        opt = "--recompute-only" if args.recompute_only else "--recompute-topk"
-        raise TraceError(opt, "goes with --recompute")
-    if args.recompute_topk is not None and args.recompute_topk < 1 and args.recompute_topk != -1:
-        raise TraceError("--recompute-topk", f"{args.recompute_topk}: give K of 1 or more, or -1 "
-                                             "for the whole vocabulary")
+    check_recompute_options(args)
     spec = parse_spec(args.engine, args.worker)
-    if args.recompute and args.worker != "model":
-        raise TraceError("--recompute", "needs the model worker (--worker model): the null "
-                                        "executor computes no logprobs to compare")
-    if args.json and not args.recompute:
-        raise TraceError("--json", "check writes JSON with --recompute only")
-    if args.recompute and (args.update_golden or args.against == "recorded"):
-        raise TraceError("--recompute", "checks hits against their recompute; it takes neither "
-                                        "--update-golden nor --against recorded")
     check_outputs(args)
     paths = expand_targets(args.targets)
     # All bad input is reported before any replay.
@@ -81,28 +66,63 @@ def run(args) -> int:
         note_skipped(trace)
     if args.against == "recorded":
         return check_recorded(args, traces, spec)
-    worst = EXIT_OK
     # A release not known to exist is fetched before its goldens are looked for:
     # one that does not exist is bad input (exit 2), not "no goldens".
     engine = resolve_unless_known(spec)
+    worst, traces = EXIT_OK, list(traces)
     if not args.update_golden and not args.recompute:   # said before any replay, not replayed
-        from replayer.check.goldens import (
-            engine_key_of,
-            has_goldens,
-            no_goldens,
-            said_before_replay,
-        )
-
-        key = engine_key_of(spec)
-        unchecked = [(p, t) for p, t in traces
-                     if said_before_replay(spec, t) and not has_goldens(t, key)]
-        for path, _ in unchecked:
-            print("\n".join(no_goldens(path, key)), flush=True)
-            worst = EXIT_MISMATCH
-        traces = [(p, t) for p, t in traces if all(p is not q for q, _ in unchecked)]
+        worst, traces = said_without_goldens(spec, traces)
         if not traces:
             return worst
-    reports = {}
+    reports: dict[str, Any] = {}
+    worst = max(worst, check_each(args, engine, traces, reports))
+    if args.json:
+        import json
+
+        write_output(args.json, json.dumps(reports, indent=2) + "\n")
+    return worst
+
+
+def check_recompute_options(args) -> None:
+    """The recompute's options, refused together with what they cannot go with."""
+    if (args.recompute_topk is not None or args.recompute_only) and not args.recompute:
+        opt = "--recompute-only" if args.recompute_only else "--recompute-topk"
+        raise TraceError(opt, "goes with --recompute")
+    if args.recompute_topk is not None and args.recompute_topk < 1 and args.recompute_topk != -1:
+        raise TraceError("--recompute-topk", f"{args.recompute_topk}: give K of 1 or more, or -1 "
+                                             "for the whole vocabulary")
+    if args.recompute and args.worker != "model":
+        raise TraceError("--recompute", "needs the model worker (--worker model): the null "
+                                        "executor computes no logprobs to compare")
+    if args.json and not args.recompute:
+        raise TraceError("--json", "check writes JSON with --recompute only")
+    if args.recompute and (args.update_golden or args.against == "recorded"):
+        raise TraceError("--recompute", "checks hits against their recompute; it takes neither "
+                                        "--update-golden nor --against recorded")
+
+
+def said_without_goldens(spec, traces: list) -> tuple[int, list]:
+    """Targets with no goldens for ``spec`` said (exit 1) before any replay, and
+    the targets left to replay."""
+    from replayer.check.goldens import engine_key_of, has_goldens, no_goldens, said_before_replay
+
+    key = engine_key_of(spec)
+    unchecked = [(p, t) for p, t in traces
+                 if said_before_replay(spec, t) and not has_goldens(t, key)]
+    for path, _ in unchecked:
+        print("\n".join(no_goldens(path, key)), flush=True)
+    left = [(p, t) for p, t in traces if all(p is not q for q, _ in unchecked)]
+    return (EXIT_MISMATCH if unchecked else EXIT_OK), left
+
+
+def check_each(args, engine, traces: list, reports: dict[str, Any]) -> int:
+    """Every target replayed on one engine process and checked: its hit counts
+    against its goldens, and with --recompute (or ``expect_recompute`` on the
+    model worker) every hit against its recompute, whose report lands in ``reports``."""
+    from replayer.replay.engines import UnsupportedByEngine
+    from replayer.replay.execution.clients import engine_runner
+
+    worst = EXIT_OK
     with engine_runner(engine) as run:              # one engine process for every target
         for path, trace in traces:
             recompute = args.recompute or (trace.expect_recompute and args.worker == "model")
@@ -129,12 +149,7 @@ def run(args) -> int:
                 reports[str(path)] = report.as_dict()
                 if report.wrong:
                     worst = max(worst, EXIT_MISMATCH)
-    if args.json:
-        import json
-
-        write_output(args.json, json.dumps(reports, indent=2) + "\n")
     return worst
-
 
 
 def expand_targets(targets: Sequence[str]) -> list[Path]:
