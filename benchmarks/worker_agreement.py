@@ -6,7 +6,8 @@ executor and with ``--worker model``, each worker in one engine process that
 serves every fixture in turn (so "warm" is a replay in a process that has
 imported vLLM already; "cold" adds that process's start, said once per
 worker). Prints per fixture both wall times (engine build included), the
-block size, the engine steps and the model worker's milliseconds per step, and
+block size, the engine steps and the model worker's milliseconds per step (its
+step loop's time, the engine's build left out), and
 whether the hits, the schedule, the store and the KV-cache events agree
 (:func:`replayer.compare.workers.worker_differences`), then the totals. A
 fixture the model worker or this vLLM release refuses is listed with the
@@ -92,7 +93,7 @@ def main() -> int:
             model = results["model"]
             print(f"{str(p.relative_to(ROOT)):58s} {results['null'].timings['bench_s']:7.1f} "
                   f"{model.timings['bench_s']:8.1f} {trace.engine.kv_groups[0].block_size:5d} "
-                  f"{model.steps:5d} {1000 * model.timings['bench_s'] / max(model.steps, 1):7.0f}  "
+                  f"{model.steps:5d} {1000 * model.timings['loop_s'] / max(model.steps, 1):7.0f}  "
                   f"{'identical' if not diffs else 'DIFFERS: ' + '; '.join(diffs[:3])}",
                   flush=True)
     finally:
