@@ -303,3 +303,26 @@ def test_a_store_miss_names_a_key_never_written_or_emptied_away():
         "group 1 (mamba) @ 48 was never written (the first key past the store's hit)",
         "group 0 (full_attention) @ 32: its get returned RPC_FAIL (-900)"]
     assert store_misses(result, ["c"]) == {}
+
+
+def test_refetched_counts_a_block_once_and_every_rank_s_bytes():
+    """At TP 2 each rank fetches its own copy of a block: the bytes add up, the
+    tokens do not; a get above what the group held locally is no refetch, nor is
+    a Mamba state (one state, not a span of tokens)."""
+    from types import SimpleNamespace
+
+    from replayer.analysis.explain_store import refetched
+
+    def get(rank, group, boundary):
+        return {"op": "get", "rank": rank, "group": group, "boundary": boundary,
+                "result": 100, "bytes": 100, "loader": "b"}
+
+    rows = [get(0, 0, 16), get(1, 0, 16), get(0, 0, 32), get(1, 0, 32), get(0, 0, 48),
+            get(0, 1, 32)]
+    req = SimpleNamespace(id="b", group_hits=(40, 0), num_local_cached_tokens=0)
+    result = SimpleNamespace(
+        store={"rows": rows}, by_id=lambda: {"b": req},
+        kv_groups=[{"group": 0, "kind": "full_attention"}, {"group": 1, "kind": "mamba"}])
+    r = refetched(result, {0: 16, 1: 16})["b"]
+    # 16 + 16 tokens of the blocks ending at 16 and 32, 8 of the one ending at 48.
+    assert (r.tokens, r.bytes, r.groups, r.resident) == (40, 500, (0,), {0: 40})

@@ -146,6 +146,7 @@ def refetched(result: Any, block_size: dict[int, int]) -> dict[str, Refetch]:
     out: dict[str, Refetch] = {}
     acc: dict[str, list[int]] = {}
     groups: dict[str, set[int]] = {}
+    counted: set[tuple[str, int, int]] = set()
     for r in store["rows"]:
         if r["op"] != "get" or r["result"] is None or r["result"] < 0:
             continue
@@ -161,7 +162,9 @@ def refetched(result: Any, block_size: dict[int, int]) -> dict[str, Refetch]:
         held = min(end, int(hits[g])) - max(start, local)
         if held > 0:
             tok_bytes = acc.setdefault(rid, [0, 0])
-            tok_bytes[0] += held
+            if (rid, g, b) not in counted:        # each rank fetches its own copy: bytes
+                counted.add((rid, g, b))           # add up, tokens count once
+                tok_bytes[0] += held
             tok_bytes[1] += int(r["bytes"] or 0)
             groups.setdefault(rid, set()).add(g)
     for rid, (tokens, nbytes) in acc.items():
