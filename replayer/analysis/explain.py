@@ -27,6 +27,12 @@ request's first scheduled prefill in ``prefill_stats`` ("not post-preemption
 repeat prefills"; ``EngineAdapter.hits_are_first_prefill``), a preemption
 never changes a reported hit; what a preempted request's freed blocks cost
 others is eviction, counted as capacity.
+
+Beside the causes (:func:`_beside_the_causes`), what loses no token or needs
+more than a count: a prefix shared below one unit (``shared_tokens``, token
+granular, from :func:`traces.model.reachable.shared_tokens`), the store keys a
+``store`` loss missed and the attention a store load fetched again while it
+was resident (:mod:`replayer.analysis.explain_store`).
 """
 
 from __future__ import annotations
