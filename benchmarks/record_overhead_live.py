@@ -19,9 +19,7 @@ machine single rounds still swing by 10-20%, so read the medians.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,27 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from replayer.recorder.live.configs import config  # noqa: E402
-from replayer.recorder.live.server import SERVE_VENV, SERVED_NAME, LiveError, Server  # noqa: E402
+from replayer.recorder.live.server import SERVE_VENV, LiveError, Server  # noqa: E402
 from replayer.recorder.live.tokenizer import write_word_tokenizer  # noqa: E402
-
-
-def bench(server: Server, tokenizer: Path, args, result: Path) -> dict:
-    cmd = [str(SERVE_VENV / "bin" / "vllm"), "bench", "serve", "--backend", "vllm",
-           "--base-url", f"http://127.0.0.1:{server.port}", "--model", SERVED_NAME,
-           "--tokenizer", str(tokenizer), "--dataset-name", "prefix_repetition",
-           "--prefix-repetition-prefix-len", str(args.prefix_len),
-           "--prefix-repetition-suffix-len", str(args.suffix_len),
-           "--prefix-repetition-num-prefixes", str(args.prefixes),
-           "--prefix-repetition-output-len", str(args.output_len),
-           "--num-prompts", str(args.prompts), "--max-concurrency", str(args.concurrency),
-           "--seed", "0", "--ignore-eos", "--ready-check-timeout-sec", "0",
-           "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
-           "--result-filename", result.name]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"vllm bench serve failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                         f"{proc.stderr[-2000:]}")
-    return json.loads(result.read_text())
+from live_bench import bench  # noqa: E402 (beside this script)
 
 
 def start(record: bool, tokenizer: Path, work: Path, args, port: int) -> Server:

@@ -22,7 +22,6 @@ Needs .venv-serve (`make serve-venv`) and a private network namespace:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -37,8 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from replayer.recorder.live.configs import config  # noqa: E402
-from replayer.recorder.live.server import SERVE_VENV, SERVED_NAME, LiveError, Server  # noqa: E402
+from replayer.recorder.live.server import SERVE_VENV, LiveError, Server  # noqa: E402
 from replayer.recorder.live.tokenizer import write_word_tokenizer  # noqa: E402
+from live_bench import bench  # noqa: E402 (beside this script)
 
 
 def rss_mb(pgid: int) -> dict[str, float]:
@@ -84,33 +84,13 @@ def prefix_metrics(port: int) -> dict[str, float]:
     return got
 
 
-def bench(server: Server, tokenizer: Path, args, seed: int, result: Path) -> dict:
-    """One `vllm bench serve` round (its saved result)."""
-    cmd = [str(SERVE_VENV / "bin" / "vllm"), "bench", "serve", "--backend", "vllm",
-           "--base-url", f"http://127.0.0.1:{server.port}", "--model", SERVED_NAME,
-           "--tokenizer", str(tokenizer), "--dataset-name", "prefix_repetition",
-           "--prefix-repetition-prefix-len", str(args.prefix_len),
-           "--prefix-repetition-suffix-len", str(args.suffix_len),
-           "--prefix-repetition-num-prefixes", str(args.prefixes),
-           "--prefix-repetition-output-len", str(args.output_len),
-           "--num-prompts", str(args.prompts), "--max-concurrency", str(args.concurrency),
-           "--seed", str(seed), "--ignore-eos", "--ready-check-timeout-sec", "0",
-           "--disable-tqdm", "--save-result", "--result-dir", str(result.parent),
-           "--result-filename", result.name]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"vllm bench serve failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                         f"{proc.stderr[-2000:]}")
-    return json.loads(result.read_text())
-
-
 def soak(server: Server, tokenizer: Path, work: Path, args) -> dict[str, int]:
     """Bench rounds until the time is up; requests sent and completed."""
     sent = done = 0
     t_end = time.monotonic() + 60 * args.minutes
     i = 0
     while time.monotonic() < t_end:
-        r = bench(server, tokenizer, args, i, work / f"round-{i}.json")
+        r = bench(server, tokenizer, args, work / f"round-{i}.json", seed=i)
         sent += args.prompts
         done += r["completed"]
         print(f"round {i + 1}: {r['completed']}/{args.prompts} completed, "
