@@ -48,6 +48,17 @@ def fixture_paths() -> list[Path]:
     return sorted(set(found))
 
 
+def _drop_release_refusals(runnable: list, skipped: list, info) -> None:
+    """Move to ``skipped`` what the engine's release itself refuses (e.g. a
+    setting it removed), with the reason it gives."""
+    for p, trace in list(runnable):
+        try:
+            check_supported(info.vllm, trace.engine, info.label, "model")
+        except UnsupportedByEngine as e:
+            runnable.remove((p, trace))
+            skipped.append((p, str(e).removeprefix(f"{info.label}: ")))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("fixtures", nargs="*", type=lambda s: Path(s).resolve())
@@ -66,13 +77,7 @@ def main() -> int:
         t = time.perf_counter()
         clients[worker] = cold_client(resolve(parse_spec(args.engine, worker)), own_process=True)
         starts[worker] = time.perf_counter() - t
-    info = clients["model"].info
-    for p, trace in list(runnable):
-        try:
-            check_supported(info.vllm, trace.engine, info.label, "model")
-        except UnsupportedByEngine as e:     # e.g. a setting this release removed
-            runnable.remove((p, trace))
-            skipped.append((p, str(e).removeprefix(f"{info.label}: ")))
+    _drop_release_refusals(runnable, skipped, clients["model"].info)
     print(f"engine {args.engine}: {len(runnable)} fixture(s) the model worker runs, "
           f"{len(skipped)} it does not")
     print(f"{'fixture':58s} {'null s':>7s} {'model s':>8s} {'block':>5s} {'steps':>5s} "
