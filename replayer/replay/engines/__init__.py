@@ -70,6 +70,10 @@ def check_connector(version: str, connector: str | None, label: str) -> None:
                                   f"replayed on {served})")
 
 
+# Releases whose MooncakeStore scheduler cannot save decode blocks (vLLM itself
+# fails an assertion there, so no replay of it could be right).
+DECODE_SAVE_ASSERTS: tuple[str, ...] = ("0.29",)
+
 # release prefix -> the Mamba cache modes its CacheConfig takes beyond align and
 # none: "all" (every block's state cached) is 0.29-0.31's; 0.32 removed it.
 MAMBA_CACHE_MODE_ALL: tuple[str, ...] = ("0.29", "0.30", "0.31")
@@ -110,6 +114,13 @@ def check_supported(version: str, engine: EngineBlock, label: str,
         raise UnsupportedByEngine(f"{label}: engine.mamba_cache_mode 'all' is not in vLLM "
                                   f"{version} (its CacheConfig takes align or none; 'all' "
                                   f"replays on {served})")
+    if (engine.connector_config or {}).get("save_decode_cache") and release_prefix(
+            version, DECODE_SAVE_ASSERTS):
+        raise UnsupportedByEngine(
+            f"{label}: connector_config.save_decode_cache on vLLM {version}: its MooncakeStore "
+            "scheduler asserts on the first decode-phase save ('Missing current block table "
+            "for store request', _apply_current_save_block_ids: the step's block_state holds "
+            "only requests given new blocks); 0.30 and later run it")
     method = engine.speculative.method if engine.speculative is not None else None
     since = SPECULATIVE_METHOD_SINCE.get(method or "")
     release = _release(version)
