@@ -15,7 +15,7 @@ from contextlib import ExitStack
 def bare_loop(trace):
     t0 = time.perf_counter()
     from replayer.replay.execution.in_process import engine_here
-    from traces.model.materialize import TokenSource, request_rows
+    from traces.materialize import TokenSource, request_rows
 
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreRequest

@@ -44,8 +44,8 @@ def day_jsonl(source: Path, hours: int, limit: int | None, out: Path) -> Path:
 
 def write_day(hours: int, limit: int | None, geometry: str, out: Path) -> Path:
     sys.path.insert(0, str(ROOT))
-    from traces.io.importers.mooncake import import_mooncake
-    from traces.model.trace import write_trace
+    from traces.importers.mooncake import import_mooncake
+    from traces.trace import write_trace
 
     with tempfile.TemporaryDirectory() as tmp:
         src = day_jsonl(SOURCE, hours, limit, Path(tmp) / "day.jsonl")

@@ -86,8 +86,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=1000, help="first N requests (default 1000)")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), action="append")
     args, source = public_trace.parse_or_run_child(ap, _child)
-    from traces.io.importers.mooncake import import_mooncake
-    from traces.model.trace import write_trace
+    from traces.importers.mooncake import import_mooncake
+    from traces.trace import write_trace
 
     work = Path(tempfile.mkdtemp(prefix="replayer-gc-"))
     print(f"{'geometry':<27} {'gc':<9} {'start passes':>12} {'gc s':>6} {'cpu s':>6} "

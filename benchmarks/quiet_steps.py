@@ -29,7 +29,7 @@ from replay_conversation import GEOMETRIES, SOURCE  # noqa: E402
 def count(geometry: str, limit: int) -> dict:
     from replayer.replay.loop import replay
     from replayer.replay.execution.in_process import engine_here
-    from traces.io.importers.mooncake import import_mooncake
+    from traces.importers.mooncake import import_mooncake
 
     trace = import_mooncake(SOURCE, limit=limit, engine=GEOMETRIES[geometry])
     with engine_here(trace) as adapter:

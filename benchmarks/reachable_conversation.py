@@ -1,7 +1,7 @@
 """Reachable prefix hits of the whole Mooncake conversation trace, from the trace alone.
 
 Prints the share of prompt tokens an infinite cache could serve
-(:func:`traces.model.reachable.reachable_hits`: 16-token units, the last prompt token
+(:func:`traces.reachable.reachable_hits`: 16-token units, the last prompt token
 recomputed, same salt), the seconds and peak RSS it took, and beside it the
 same trace counted Mooncake's way (FAST'25): the share of 512-token blocks whose
 hash id was seen in an earlier request, so the two can be compared.
@@ -50,8 +50,8 @@ def main() -> int:
     ap.add_argument("--source", type=Path, default=SOURCE, help="the trace (JSON lines)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from traces.io.importers.mooncake import import_mooncake
-    from traces.model.reachable import reachable_hits
+    from traces.importers.mooncake import import_mooncake
+    from traces.reachable import reachable_hits
 
     trace = import_mooncake(args.source, limit=args.limit)
     t0 = time.perf_counter()

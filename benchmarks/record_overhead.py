@@ -128,7 +128,7 @@ def _fidelity(trace_dir: Path) -> str:
     code = ("import sys; sys.path.insert(0, %r); import os, logging; "
             "os.environ.setdefault('VLLM_LOGGING_LEVEL','ERROR'); "
             "logging.getLogger('vllm').setLevel(logging.ERROR); "
-            "from traces.model.trace import read_trace; from replayer.check.recorded import check_against_recorded; "
+            "from traces.trace import read_trace; from replayer.check.recorded import check_against_recorded; "
             "from replayer.replay.store import StoreSpec; t = read_trace(%r); "
             "s = StoreSpec('memory') if t.engine.connector else None; "
             "lines, ok, _ = check_against_recorded(t, store=s); print(lines[0])") % (str(ROOT), str(trace_dir))
@@ -150,9 +150,9 @@ def main() -> None:
         return
     source = public_trace.trace_path(args)
     _setup()
-    from traces.io.importers.mooncake import import_mooncake
+    from traces.importers.mooncake import import_mooncake
     from traces.scenarios.compile import compile_scenario
-    from traces.model.trace import write_trace
+    from traces.trace import write_trace
 
     tmp = Path(tempfile.mkdtemp(prefix="record-overhead-"))
     src = write_trace(import_mooncake(source, limit=args.requests, engine=ENGINE), tmp / "conv")
@@ -198,7 +198,7 @@ def main() -> None:
     store_trace = write_trace(compile_scenario(STORE_FIXTURE), tmp / "store")
     _run("record", store_trace, tmp / "store_rec")
     ops_dir = tmp / "store_rec" / "store_ops"
-    from traces.model.trace import read_trace
+    from traces.trace import read_trace
 
     n_ops = read_trace(tmp / "store_rec").store_ops.num_rows
     print(f"  store ops             {n_ops} ops in {_du(ops_dir)} bytes = "

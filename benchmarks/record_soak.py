@@ -108,7 +108,7 @@ def check_recorded(trace: Path) -> tuple[int, str]:
 
 def report(counts: dict, metrics: dict, sampler: RssSampler, trace_dir: Path,
            check: tuple[int, str], seconds: float) -> None:
-    from traces.model.trace import read_trace
+    from traces.trace import read_trace
 
     trace = read_trace(trace_dir)
     recorded_hits = sum(trace.outcomes["num_cached_tokens"].to_pylist())

@@ -142,8 +142,8 @@ def main() -> None:
     if repeat < 1:
         ap.error("--repeat must be at least 1")
     sys.path.insert(0, str(ROOT))
-    from traces.io.importers.mooncake import import_mooncake
-    from traces.model.trace import write_trace
+    from traces.importers.mooncake import import_mooncake
+    from traces.trace import write_trace
 
     slices = [1000] if args.quick else [1000, None]
     work = Path(tempfile.mkdtemp(prefix="replayer-bench-"))

@@ -51,7 +51,7 @@ def _stages(trace_dir: str, stream: bool) -> dict:
     from replayer.replay.loop import refuse_unsupported
     from replayer.replay.schedule import Schedule
     from traces import read_trace
-    from traces.model.materialize import TokenSource, request_rows
+    from traces.materialize import TokenSource, request_rows
 
     figures: dict[str, float] = {}
     base = _status_mb("VmRSS")

@@ -77,8 +77,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=1000)
     args, source = public_trace.parse_or_run_child(ap, _child)
     sys.path.insert(0, str(ROOT))
-    from traces.io.importers.mooncake import import_mooncake
-    from traces.model.trace import write_trace
+    from traces.importers.mooncake import import_mooncake
+    from traces.trace import write_trace
 
     work = Path(tempfile.mkdtemp(prefix="replayer-store-bench-"))
     trace_dir = write_trace(import_mooncake(source, limit=args.limit, engine=ENGINE),

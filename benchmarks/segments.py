@@ -179,8 +179,8 @@ def main() -> None:
         print(json.dumps(_match_child(args.child[1], args.child[2])))
         return
     source = public_trace.trace_path(args)
-    from traces.io.importers.mooncake import import_mooncake
-    from traces.model.trace import write_trace
+    from traces.importers.mooncake import import_mooncake
+    from traces.trace import write_trace
 
     work = args.work or Path(tempfile.mkdtemp(prefix="replayer-segments-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -51,8 +51,8 @@ def slice_loss(tmp: Path, source: Path, limit: int,
     import polars as pl
 
     from replayer.analysis.explain import CAUSES
-    from traces.io.importers.mooncake import import_mooncake
-    from traces.model.trace import write_trace
+    from traces.importers.mooncake import import_mooncake
+    from traces.trace import write_trace
 
     engine = GEOMETRIES["hybrid-b1536-pmu128-eagle"]
     trace = write_trace(import_mooncake(source, limit=limit, engine=engine), tmp / "slice")

@@ -62,8 +62,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,2,4", help="tensor_parallel_size values")
     args, source = public_trace.parse_or_run_child(ap, _child)
     sys.path.insert(0, str(ROOT))
-    from traces.io.importers.mooncake import import_mooncake
-    from traces.model.trace import write_trace
+    from traces.importers.mooncake import import_mooncake
+    from traces.trace import write_trace
 
     work = Path(tempfile.mkdtemp(prefix="replayer-ranks-bench-"))
     print(f"{'tp':>3} {'ranks':>5} {'wall s':>7} {'vllm s':>7} {'store s':>8} {'store ops':>9} "

@@ -55,7 +55,7 @@ def write_jsonl(path: Path, records: Iterable[dict | str]) -> Path:
 def make_trace_dir(tmp: Path, name: str = "trace", scenario: str = SMALL_SCENARIO) -> Path:
     """Compile ``scenario`` into ``tmp/name`` through the library (no subprocess)."""
     from traces.scenarios.compile import compile_scenario
-    from traces.model.trace import write_trace
+    from traces.trace import write_trace
 
     src = write_text(tmp / f"{name}.yaml", scenario)
     return write_trace(compile_scenario(src), tmp / name)

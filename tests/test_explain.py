@@ -214,7 +214,7 @@ def test_a_prefix_shared_below_one_block_is_said():
 def test_shared_tokens_count_salted_prompts_apart(tmp_path):
     """The token-granular figure follows the cache's rules: prompts under another
     cache salt share nothing, and the last prompt token is never counted."""
-    from traces.model.reachable import shared_tokens
+    from traces.reachable import shared_tokens
 
     scen = tmp_path / "salted.yaml"
     scen.write_text("""\

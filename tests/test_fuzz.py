@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from helpers_traces import REPO, SMALL_SCENARIO, make_trace_dir
 
 from traces import TraceError
-from traces.io.importers.mooncake import import_mooncake
+from traces.importers.mooncake import import_mooncake
 from traces.scenarios.compile import compile_scenario
-from traces.model.trace import read_trace, write_trace
+from traces.trace import read_trace, write_trace
 
 pytestmark = pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")
 

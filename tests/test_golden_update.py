@@ -22,7 +22,7 @@ from replayer.replay.engines.base import EngineInfo
 from replayer.replay.loop import ReplayResult
 from traces import TraceError, load_target
 from traces.model.outcome import RequestOutcome
-from traces.model.trace import write_trace
+from traces.trace import write_trace
 
 ENGINE = "engine: {block_size: 16}\n"
 STORE_ENGINE = "engine: {block_size: 16, connector: mooncake_store}\n"

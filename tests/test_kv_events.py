@@ -23,7 +23,7 @@ from traces import load_target
 from traces.model.errors import TraceError
 from traces.goldens.events import EVENTS, compare_events, compress, from_rows
 from traces.scenarios.compile import compile_scenario
-from traces.model.trace import read_trace, write_trace
+from traces.trace import read_trace, write_trace
 
 SPARSE = SCENARIOS / "kv_events_sparse_mamba.yaml"
 RESET = SCENARIOS / "reset_prefix_cache.yaml"

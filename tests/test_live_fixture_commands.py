@@ -34,8 +34,8 @@ import pytest
 from conftest import REPO, TRACES, cli
 
 from traces import load_target
-from traces.model.reachable import reachable_hits, trace_clock
-from traces.model.trace import read_trace
+from traces.reachable import reachable_hits, trace_clock
+from traces.trace import read_trace
 
 LIVE = {path.name: path for path in sorted(TRACES.glob("live_*"))}
 

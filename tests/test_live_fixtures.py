@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, TRACES, cli
 
-from traces.model.trace import read_trace
+from traces.trace import read_trace
 
 LIVE = {name: TRACES / f"live_{name}" for name in ("llama", "eagle", "qwen3_next")}
 

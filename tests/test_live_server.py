@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO, TRACES
 
 from replayer.replay.store.master import free_port
-from traces.model.trace import read_trace
+from traces.trace import read_trace
 
 pytestmark = pytest.mark.live_server
 

@@ -10,8 +10,8 @@ import polars as pl
 from conftest import REPO
 from helpers_traces import write_text
 from traces import load_target
-from traces.model import reachable as reach_mod
-from traces.model.reachable import Clock, reachable_hits, trace_clock
+from traces import reachable as reach_mod
+from traces.reachable import Clock, reachable_hits, trace_clock
 
 TURNS = """\
 engine: {block_size: 16}
@@ -91,7 +91,7 @@ def test_block_ids_hash_like_tokens():
 
 
 def test_reachable_imports_no_vllm():
-    code = ("import sys, traces.model.reachable, traces.scenarios.what_if\n"
+    code = ("import sys, traces.reachable, traces.scenarios.what_if\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, cwd=REPO)

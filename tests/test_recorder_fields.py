@@ -15,7 +15,7 @@ import pytest
 from conftest import SCENARIOS
 from replayer.check import recorded as fidelity
 from traces import load_target
-from traces.model.trace import read_trace
+from traces.trace import read_trace
 
 SKIPPED = "after_reset"          # the second of three identical 3,000-token prompts
 

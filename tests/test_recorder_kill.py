@@ -14,7 +14,7 @@ import textwrap
 import time
 
 from traces import load_target
-from traces.model.trace import read_trace
+from traces.trace import read_trace
 
 from conftest import REPO
 

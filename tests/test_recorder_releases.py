@@ -149,7 +149,7 @@ def test_a_recording_on_the_older_adapters_ends_round_trips_with_its_store_ops(v
     (keys, lookups and the reset included), then `check --against recorded` there.
     The first and last release of the older adapter's range (0.30 and 0.31 between
     them: each hook is checked there above, ~50 s a round trip saved)."""
-    from traces.model.trace import read_trace
+    from traces.trace import read_trace
 
     from replayer.check import recorded as fidelity
     from replayer.replay.store import StoreSpec

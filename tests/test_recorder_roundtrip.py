@@ -19,7 +19,7 @@ from replayer.check import recorded as fidelity
 from replayer.replay.store import StoreSpec
 from traces import load_target
 from traces.model.schema import OUTCOME_FIELDS
-from traces.model.trace import Trace, read_trace, write_trace
+from traces.trace import Trace, read_trace, write_trace
 
 FIXTURES = sorted(SCENARIOS.glob("*.yaml")) + sorted(STORE_SCENARIOS.glob("*.yaml")) + sorted(
     p for p in TRACES.iterdir() if p.is_dir())

@@ -16,7 +16,7 @@ import pytest
 
 from traces.model import schema
 from traces.model.errors import TraceError
-from traces.model.trace import read_trace
+from traces.trace import read_trace
 from traces.io.parts import PartWriter, pack_tokens, part_name
 
 from conftest import REPO, cli

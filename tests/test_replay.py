@@ -13,7 +13,7 @@ from conftest import FIXTURES, MOONCAKE_TRACE as CONVERSATION, SCENARIOS, TRACES
 from replayer.replay.execution.clients import replay_on as replay
 from traces import load_target
 from traces.scenarios.compile import compile_scenario
-from traces.model.trace import read_trace, write_trace
+from traces.trace import read_trace, write_trace
 
 
 def by_id(result):

@@ -15,7 +15,7 @@ import pytest
 from conftest import TRACES, cli
 from traces import TraceError, read_trace, write_trace
 from traces.io import request_stream
-from traces.model.materialize import TokenSource
+from traces.materialize import TokenSource
 from traces.scenarios.compile import compile_scenario
 
 VOCAB = 32000

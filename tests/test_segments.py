@@ -27,7 +27,7 @@ _SEQUENTIAL: dict[str, object] = {}
 
 def _trace(name: str):
     if name == "conv120":
-        from traces.io.importers.mooncake import import_mooncake
+        from traces.importers.mooncake import import_mooncake
 
         return import_mooncake(MOONCAKE_TRACE, limit=120)
     return load_target(TRACES / name)

@@ -64,7 +64,7 @@ def test_conversation_fixture_reuses_hashes():
 def test_mooncake_head_replays_the_same_both_ways(tmp_path):
     """The repository's 500 lines of the conversation trace (the issue asks for
     1,000; benchmarks/replay_conversation.py --quick compares 1,000 on the full file)."""
-    from traces.io.importers.mooncake import import_mooncake
+    from traces.importers.mooncake import import_mooncake
 
     engine = {"block_size": 16, "kv_groups": [{"kind": "full_attention"}],
               "max_num_batched_tokens": 8192, "max_num_seqs": 256,

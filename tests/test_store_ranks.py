@@ -258,7 +258,7 @@ def test_a_recording_at_tp2_compares_rank_by_rank(tmp_path):
     from replayer.check import recorded as fidelity
     from replayer.replay.store import StoreSpec
     from traces import load_target
-    from traces.model.trace import read_trace
+    from traces.trace import read_trace
 
     rec = tmp_path / "rec"
     fidelity.record_replay(load_target(LOST), rec, store=StoreSpec("memory"))

@@ -8,8 +8,8 @@ import numpy as np
 
 from helpers_traces import MOONCAKE_TRACE, write_jsonl
 from traces import read_trace, write_trace
-from traces.io.importers.mooncake import DEFAULT_ENGINE, MOONCAKE_BLOCK_TOKENS, import_mooncake
-from traces.model.materialize import TokenSource
+from traces.importers.mooncake import DEFAULT_ENGINE, MOONCAKE_BLOCK_TOKENS, import_mooncake
+from traces.materialize import TokenSource
 
 B = MOONCAKE_BLOCK_TOKENS
 

@@ -10,8 +10,8 @@ from helpers_traces import make_trace_dir
 
 _IMPORTS = (
     "import sys, json\n"
-    "import traces, traces.scenarios.compile, traces.io.importers.mooncake, traces.model.materialize\n"
-    "import traces.model.trace, traces.model.validate, traces.model.tokens, traces.goldens.outcomes, traces.model.engine_spec\n"
+    "import traces, traces.scenarios.compile, traces.importers.mooncake, traces.materialize\n"
+    "import traces.trace, traces.model.validate, traces.model.tokens, traces.goldens.outcomes, traces.model.engine_spec\n"
     "print(json.dumps(sorted(m for m in sys.modules\n"
     "                        if m.split('.')[0] in ('vllm', 'torch'))))\n"
 )

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from conftest import REPO, cli
 from helpers_traces import SMALL_SCENARIO, listing, write_text
 from traces import SCHEMA_VERSION, load_target, read_trace, write_trace
-from traces.model.materialize import TokenSource
+from traces.materialize import TokenSource
 from traces.scenarios.compile import compile_scenario
 from traces.model.tokens import stream_tokens
 from traces.goldens.kind import golden_file

@@ -1,12 +1,17 @@
 """Trace data: schemas, reading/writing, scenarios and importers.
 
 Imports no vLLM: a trace can be read, inspected and converted on a machine
-without it.
+without it. Rooms, each importing only those below it (``tests/test_layout.py``):
+:mod:`.scenarios` and :mod:`.importers` (sources that become traces);
+:mod:`.reachable` (the hits a trace alone allows); :mod:`.trace` (one trace
+directory read and written whole) and :mod:`.materialize` (its prompts as
+token arrays); :mod:`.io` (files) and :mod:`.goldens`; :mod:`.model` (what a
+trace is).
 """
 
 from traces.model.errors import TraceError
 from traces.model.schema import SCHEMA_VERSION
-from traces.model.trace import Trace, read_trace, write_trace
+from traces.trace import Trace, read_trace, write_trace
 
 __all__ = ["SCHEMA_VERSION", "Trace", "TraceError", "read_trace", "write_trace", "load_target"]
 

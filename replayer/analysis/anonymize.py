@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from traces import Trace
 from traces.model.engine_spec import EngineBlock
-from traces.model.materialize import TokenSource
+from traces.materialize import TokenSource
 from traces.model.tokens import block_tokens
 
 ID_MASK = (1 << 63) - 1

@@ -1,6 +1,6 @@
 """Where the hits went: reachable vs actual per request, the loss split by cause.
 
-``reachable`` comes from the trace alone (:mod:`traces.model.reachable`); ``actual``
+``reachable`` comes from the trace alone (:mod:`traces.reachable`); ``actual``
 from the replay. The gap is split into causes by counterfactual replays, each
 through the normal replay entry point and each changing one thing on top of
 the previous one, so the causes telescope and add up exactly:
@@ -30,7 +30,7 @@ others is eviction, counted as capacity.
 
 Beside the causes (:func:`_beside_the_causes`), what loses no token or needs
 more than a count: a prefix shared below one unit (``shared_tokens``, token
-granular, from :func:`traces.model.reachable.shared_tokens`), the store keys a
+granular, from :func:`traces.reachable.shared_tokens`), the store keys a
 ``store`` loss missed and the attention a store load fetched again while it
 was resident (:mod:`replayer.analysis.explain_store`).
 """
@@ -49,7 +49,7 @@ from replayer.replay.loop import ReplayResult
 from traces import Trace
 from traces.model.engine_spec import RETAIN_DENSE
 from traces.model.errors import TraceError
-from traces.model.reachable import Clock, prefix_match_unit, reachable_hits, shared_tokens
+from traces.reachable import Clock, prefix_match_unit, reachable_hits, shared_tokens
 from traces.scenarios.what_if import with_sets
 
 CAUSES = ("capacity", "store", "reset", "eagle_drop", "sparse_retention", "sliding_window",

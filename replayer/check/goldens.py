@@ -23,7 +23,7 @@ from traces.goldens.kind import ANY_ENGINE, GoldenKind, key_to_update, label, se
 from traces.goldens.outcomes import REQUEST, compare
 from traces.goldens.store import STORE, compare_store, from_report
 from traces.model.errors import TraceError
-from traces.model.trace import golden_path, write_tables
+from traces.trace import golden_path, write_tables
 from traces.scenarios.compile import compile_scenario, is_scenario_path
 from traces.scenarios.golden_writer import rewrite_blocks
 

@@ -25,7 +25,7 @@ from replayer.replay.loop import ReplayResult
 from traces import Trace
 from traces.model.errors import TraceError
 from traces.model.schema import OUTCOME_FIELDS
-from traces.model.trace import read_trace
+from traces.trace import read_trace
 
 # Store operations compared by key (puts, gets, lookups); their order across a
 # worker's threads and the step a put completes in are not the replay's to pin.

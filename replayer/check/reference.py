@@ -36,7 +36,7 @@ from replayer.check.divergence import largest_difference
 from replayer.replay.loop import ReplayResult
 from traces import Trace
 from traces.model.engine_spec import EngineBlock
-from traces.model.materialize import TokenSource
+from traces.materialize import TokenSource
 
 SALT = "prefix-replayer recompute"
 # The connector's settings: a recompute reads no store.

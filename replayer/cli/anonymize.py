@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from replayer.analysis.anonymize import anonymize, default_unit
-    from traces.model.trace import write_trace
+    from traces.trace import write_trace
 
     if args.unit is not None and args.unit < 1:
         return error("--unit must be at least 1")

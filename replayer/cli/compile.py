@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from traces.model.trace import write_trace
+    from traces.trace import write_trace
     from traces.scenarios.compile import compile_scenario
 
     notes = plan_output(args, [args.scenario])

@@ -21,9 +21,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from traces.io.importers.mooncake import import_mooncake
+    from traces.importers.mooncake import import_mooncake
     from traces.model.step_clock import DEFAULT_STEP_MS
-    from traces.model.trace import write_trace
+    from traces.trace import write_trace
 
     if args.limit is not None and args.limit < 1:
         return error("--limit must be at least 1")

@@ -66,11 +66,11 @@ def run(args) -> int:
     print(run_table(result, shown_of=spool), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.store_ops:
         from traces.model import schema
-        from traces.model.trace import write_table_atomic
+        from traces.trace import write_table_atomic
         write_table_atomic(args.store_ops, schema.STORE_OPS, result.store["rows"])
     if args.kv_events:
         from traces.model import schema
-        from traces.model.trace import write_table_atomic
+        from traces.trace import write_table_atomic
         write_table_atomic(args.kv_events, schema.KV_EVENTS, result.kv_events or [])
     if args.json == "-":
         sys.stdout.write(dumps(result))
@@ -112,11 +112,11 @@ def run_segmented(args, spec) -> int:
     print(run_table(result), file=sys.stderr if args.json == "-" else sys.stdout)
     if args.store_ops:
         from traces.model import schema
-        from traces.model.trace import write_table_atomic
+        from traces.trace import write_table_atomic
         write_table_atomic(args.store_ops, schema.STORE_OPS, result.store["rows"])
     if args.kv_events:
         from traces.model import schema
-        from traces.model.trace import write_table_atomic
+        from traces.trace import write_table_atomic
         write_table_atomic(args.kv_events, schema.KV_EVENTS, result.kv_events or [])
     if args.json:
         out = result.as_dict()

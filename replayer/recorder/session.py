@@ -21,7 +21,7 @@ from replayer.recorder.releases import RECORD_ENV, check_release, log  # noqa: F
 from traces.io.atomic import write_atomic
 from traces.io.parts import PartWriter, RecordingError, close_all
 from traces.model import schema
-from traces.model.trace import header_json
+from traces.trace import header_json
 
 # Seconds a row may wait in memory before its part is written: what a kill
 # can lose (default traces.io.parts.DEFAULT_MAX_SECONDS).

@@ -21,7 +21,7 @@ from replayer.replay.engines.base import EngineAdapter, EngineInfo, EngineReques
 from replayer.replay.gc_tuning import fewer_gc_passes
 from replayer.replay.schedule import Event, Schedule
 from traces import Trace
-from traces.model.materialize import TokenSource, request_rows
+from traces.materialize import TokenSource, request_rows
 from traces.model.outcome import RequestOutcome
 
 # A step in which nothing could be scheduled, this many times running, means the

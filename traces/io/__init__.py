@@ -1,4 +1,4 @@
 """Files: atomic replacement of files and directories, a recorder's crash-safe
-parts, bounded YAML, the requests table read in batches, importers of public
-trace formats. Imports :mod:`traces.model`, never vLLM.
+parts, bounded YAML, the requests table read in batches. Imports
+:mod:`traces.model`, never vLLM.
 """

@@ -1,4 +1,5 @@
 """What a trace is: its schema, header engine block, events, outcomes and
-tokens, with the bounds and checks every reader applies. Imports nothing of
-``traces.io``'s writers, the goldens or the scenarios, and never vLLM.
+tokens, with the bounds and checks every reader applies. The ground floor of
+``traces``: imports nothing of it outside this package (the ``Trace`` it
+validates is named for annotations only), and never vLLM.
 """

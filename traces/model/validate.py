@@ -25,7 +25,7 @@ from traces.model.sanity import (
 )
 
 if TYPE_CHECKING:
-    from traces.model.trace import Trace
+    from traces.trace import Trace
 
 SOURCE_KINDS = ("authored", "imported", "recorded")
 

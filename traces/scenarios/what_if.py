@@ -23,7 +23,7 @@ import yaml
 
 from traces.model.engine_spec import EngineBlock
 from traces.model.errors import TraceError
-from traces.model.trace import Trace
+from traces.trace import Trace
 
 
 def _takes_null(key: str) -> bool:

@@ -23,7 +23,7 @@ import pyarrow as pa
 from traces import Trace
 from traces.model import schema
 from traces.model.engine_spec import EngineBlock
-from traces.model.materialize import TokenSource, request_rows
+from traces.materialize import TokenSource, request_rows
 from traces.model.tokens import stream_tokens
 
 

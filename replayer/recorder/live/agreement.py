@@ -22,7 +22,7 @@ from pathlib import Path
 from traces.model.gaps import explain_gap, explain_groups
 from replayer.recorder.live.client import read_client
 from traces.model.outcome import RequestOutcome
-from traces.model.trace import read_trace
+from traces.trace import read_trace
 
 # vLLM's engine id of a completion: cmpl-<request_id>-<choice>-<random suffix>
 _ENGINE_ID = re.compile(r"^cmpl-(?P<name>.+)-\d+-[0-9a-f]+$")

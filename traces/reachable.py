@@ -31,7 +31,7 @@ the unit divides are hashed from the block ids (a unit's tokens are a
 function of its block's id and its place in it) without making tokens; their
 synthetic outputs (``out:<id>`` streams) cannot appear in a block-id prompt,
 so they are skipped there. Everything else is hashed from the tokens the
-replay feeds vLLM (:mod:`traces.model.materialize`), outputs included.
+replay feeds vLLM (:mod:`traces.materialize`), outputs included.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import numpy as np
 import polars as pl
 
 from traces.model.engine_spec import EngineBlock
-from traces.model.materialize import TokenSource, request_rows
+from traces.materialize import TokenSource, request_rows
 from traces.model.tokens import mix, stream_seed
-from traces.model.trace import Trace
+from traces.trace import Trace
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _UNIT_DOMAIN = np.uint64(0x5EED_0F_0417_0001)

@@ -1,1 +1,0 @@
-"""Importers turn public trace formats into prefix-replayer traces."""
