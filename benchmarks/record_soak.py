@@ -29,7 +29,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,16 +71,6 @@ class RssSampler(threading.Thread):
         while not self.stop.is_set():
             self.samples.append((time.monotonic() - self.t0, rss_mb(self.pgid)))
             self.stop.wait(self.every)
-
-
-def prefix_metrics(port: int) -> dict[str, float]:
-    """vLLM's /metrics prefix-cache counters (tokens, once per request at admission)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    got = {}
-    for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
-        values = re.findall(rf"^vllm:{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
-        got[name] = sum(float(v) for v in values)
-    return got
 
 
 def soak(server: Server, tokenizer: Path, work: Path, args) -> dict[str, int]:
@@ -159,7 +148,7 @@ def main() -> int:
             t0 = time.monotonic()
             counts = soak(server, tokenizer, work, args)
             seconds = time.monotonic() - t0
-            metrics = prefix_metrics(args.port)
+            metrics = server.prefix_metrics()
             sampler.stop.set()
             server.stop()
         except LiveError as exc:

@@ -169,7 +169,8 @@ def test_live_request_fields_that_change_cache_reads_are_recorded_and_replay(ser
     one at a time: plain, with prompt_logprobs (vLLM then never reads the cache
     for it), plain again, with n = 2, with a cache salt. The recording holds each
     field that changes what a request reads, the check of the recording against
-    itself passes on the server's release, and n > 1 is recorded as the docs say."""
+    itself passes on the server's release, its hits are the server's /metrics, and
+    n > 1 is recorded as the docs say."""
     import openai
 
     from replayer.recorder.live.configs import config
@@ -192,6 +193,7 @@ def test_live_request_fields_that_change_cache_reads_are_recorded_and_replay(ser
                 temperature=temperature,
                 extra_body={"request_id": name, "ignore_eos": True, **extra})
             cached[name] = resp.usage.prompt_tokens_details.cached_tokens
+        metrics = server.prefix_metrics()
     finally:
         server.stop()
     # What the server told the client: the skipped read and the salt miss.
@@ -204,6 +206,12 @@ def test_live_request_fields_that_change_cache_reads_are_recorded_and_replay(ser
     assert rows["cmpl-salted-0"]["cache_salt"] == "tenant-b"
     outcome = {r["id"]: r["num_cached_tokens"] for r in trace.outcomes.to_pylist()}
     assert outcome[rows["cmpl-logprobs-0"]["id"]] == 0
+    # The server's own /metrics, a third witness: its hit tokens are the recording's.
+    # A request that skips the read is no query there (five of six asked).
+    asked = sum(r["num_prompt_tokens"] for r in rows.values()
+                if not r["skip_reading_prefix_cache"])
+    assert metrics == {"prefix_cache_queries_total": asked,
+                       "prefix_cache_hits_total": sum(outcome.values())}, metrics
     assert trace.cut_step is None
     check = run("-m", "replayer", "check", "--against", "recorded", "--engine",
                 "vllm==0.32.0", out)

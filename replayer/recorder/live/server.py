@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -127,6 +128,17 @@ class Server:
         self.kill()
         raise LiveError(f"vllm serve ({self.cfg.name}) not ready after {timeout:.0f} s; "
                         f"log {self.log}:\n" + log_tail(self.log))
+
+    def prefix_metrics(self) -> dict[str, float]:
+        """vLLM's own ``/metrics`` prefix-cache counters, in tokens, counted once per
+        request at admission: a witness of the hits no part of this project computes."""
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        got = {}
+        for name in ("prefix_cache_queries_total", "prefix_cache_hits_total"):
+            values = re.findall(rf"^vllm:{name}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M)
+            got[name] = sum(float(v) for v in values)
+        return got
 
     def stop(self, timeout: float = 120.0) -> int:
         """SIGINT, as an operator stops it: the engine drains and the recorder flushes."""
