@@ -27,8 +27,14 @@ from traces.model.engine_spec import EngineBlock
 from traces.model.errors import TraceError
 from traces.model.limits import MAX_JSON_BYTES, load_json, read_bounded
 from traces.model.recording_cut import cut_step, merge_durable
-from traces.model.sanity import check_golden_table
-from traces.model.validate import validate_header, validate_table, validate_trace
+from traces.model.sanity import check_async_scheduling, check_golden_table, check_sized_engine
+from traces.model.validate import (
+    validate_events,
+    validate_header,
+    validate_request_batches,
+    validate_requests,
+    validate_table,
+)
 
 
 @dataclass
@@ -323,3 +329,32 @@ def read_trace(trace_dir: str | os.PathLike, *, stream: bool = False) -> Trace:
                   **tables)  # type: ignore[arg-type]
     validate_trace(root, trace)
     return trace
+
+
+def validate_trace(root: Path, trace: Trace) -> None:
+    """The whole trace checked, each table against its schema and the others
+    (errors name the file, column and row)."""
+    # A trace built from one source file (scenario, imported trace) names that file.
+    def where(name: str) -> Path:
+        return root if root.is_file() else root / name
+
+    check_async_scheduling(where(schema.HEADER_FILE), trace.engine,
+                           (trace.header.get("source") or {}).get("kind"))
+    lists = trace.request_lists
+    if lists is None:
+        validate_requests(where(schema.REQUESTS.file), trace.header, trace.requests)
+    else:                           # a streamed read: the list columns batch by batch
+        validate_request_batches(lists.path, trace.header, trace.requests,
+                                 set(lists.file_schema.names),
+                                 lists.batches(("num_prompt_tokens", "output_len")))
+    check_sized_engine(where(schema.HEADER_FILE), trace)
+    if trace.events is None and not any(trace.goldens.values()):
+        return                      # nothing names a request (a long imported trace)
+    ids = set(trace.requests["id"].to_pylist())
+    if trace.events is not None:
+        validate_events(where(schema.EVENTS.file), trace.events, ids)
+    for key, expect in trace.goldens.items():
+        for row, rid in enumerate(expect):
+            if rid not in ids:
+                raise TraceError(root / schema.GOLDEN_DIR, f"golden for unknown request {rid!r} "
+                                 f"(engine {key})", column="id", row=row)

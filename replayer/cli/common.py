@@ -212,7 +212,7 @@ def validated_again(trace, sets) -> None:
     prompts within ``max_model_len``, the KV blocks it would size, vocabulary...)
     run on the trace under ``--set``: the same key refused the same way in the file
     and on the command line. The error names the file and the ``--set``."""
-    from traces.model.validate import validate_trace
+    from traces.trace import validate_trace
 
     try:
         validate_trace(Path(trace.path if trace.path is not None else "the trace"), trace)

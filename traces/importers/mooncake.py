@@ -28,8 +28,7 @@ from traces.model.limits import (
     short,
 )
 from traces.model.step_clock import DEFAULT_STEP_MS, arrival_steps
-from traces.trace import Trace
-from traces.model.validate import validate_trace
+from traces.trace import Trace, validate_trace
 
 MOONCAKE_BLOCK_TOKENS = 512
 

@@ -7,7 +7,7 @@ validating the whole conversation trace costs milliseconds, not seconds.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -17,15 +17,8 @@ from traces.model import schema
 from traces.model.engine_spec import EngineBlock
 from traces.model.errors import TraceError
 from traces.model.events import check_event_row
-from traces.model.sanity import (
-    check_async_scheduling,
-    check_header_bounds,
-    check_sized_engine,
-    request_bound_checks,
-)
+from traces.model.sanity import check_header_bounds, request_bound_checks
 
-if TYPE_CHECKING:
-    from traces.trace import Trace
 
 SOURCE_KINDS = ("authored", "imported", "recorded")
 
@@ -262,30 +255,3 @@ def validate_events(path: Path, events: pa.Table, ids: set[str]) -> None:
         if ev["after"] is not None and ev["after"] not in ids:
             raise TraceError(path, f"event after unknown id {ev['after']!r}", column="after", row=row)
         check_event_row(path, row, ev, ids)
-
-
-def validate_trace(root: Path, trace: "Trace") -> None:
-    # A trace built from one source file (scenario, imported trace) names that file.
-    def where(name: str) -> Path:
-        return root if root.is_file() else root / name
-
-    check_async_scheduling(where(schema.HEADER_FILE), trace.engine,
-                           (trace.header.get("source") or {}).get("kind"))
-    lists = trace.request_lists
-    if lists is None:
-        validate_requests(where(schema.REQUESTS.file), trace.header, trace.requests)
-    else:                           # a streamed read: the list columns batch by batch
-        validate_request_batches(lists.path, trace.header, trace.requests,
-                                 set(lists.file_schema.names),
-                                 lists.batches(("num_prompt_tokens", "output_len")))
-    check_sized_engine(where(schema.HEADER_FILE), trace)
-    if trace.events is None and not any(trace.goldens.values()):
-        return                      # nothing names a request (a long imported trace)
-    ids = set(trace.requests["id"].to_pylist())
-    if trace.events is not None:
-        validate_events(where(schema.EVENTS.file), trace.events, ids)
-    for key, expect in trace.goldens.items():
-        for row, rid in enumerate(expect):
-            if rid not in ids:
-                raise TraceError(root / schema.GOLDEN_DIR, f"golden for unknown request {rid!r} "
-                                 f"(engine {key})", column="id", row=row)

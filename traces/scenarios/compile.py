@@ -22,8 +22,7 @@ from traces.model.errors import MAX_INT, TraceError, reject_unknown_keys, requir
 from traces.model.events import parse_event
 from traces.model.limits import MAX_TOKENS, TokenBudget
 from traces.model.tokens import stream_tokens
-from traces.trace import Trace
-from traces.model.validate import validate_trace
+from traces.trace import Trace, validate_trace
 
 TOP_KEYS = ("engine", "requests", "events", "expect", "expect_store", "expect_events",
             "expect_recompute", "description")
