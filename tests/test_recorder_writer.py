@@ -238,6 +238,12 @@ def test_parts_say_through_which_step_every_table_was_on_disk(tmp_path):
         if step == 2:
             req.flush()                    # requests on disk through step 2
             oc.flush()
+            # The writer thread renames the part into place on its own time; a
+            # table's durable step moves only then (an in-flight part is not on disk).
+            deadline = time.monotonic() + 30
+            while req.durable < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert req.durable == 2
     oc.close()                             # outcomes through step 5; requests hold 3..5
     req.abandon()                          # killed: its buffer is lost
     writers["events"].abandon()
