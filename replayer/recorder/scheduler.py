@@ -87,6 +87,7 @@ class SchedulerRecorder:
         self._outcomes, self._events = w["outcomes"], w["events"]
         self._finishes = w["finishes"]
         self._live: dict[str, int] = {}        # id -> max_tokens, while vLLM holds it
+        self._named: dict[str, int] = {}       # id -> its block hashes filed, while live
         self._order = 0
         self._pending: list[tuple[Any, int]] = []          # (scheduler_output, step)
         self._update_step: int | None = None   # inside update_from_output: its step
@@ -121,8 +122,19 @@ class SchedulerRecorder:
             weight=1 + n_prompt)
         self._order += 1
         self.session.add_boundaries(rid, request.block_hashes)
+        self._named[rid] = len(request.block_hashes)
 
-    def scheduled(self, so: Any) -> None:
+    def scheduled(self, so: Any, running: Any = ()) -> None:
+        """A step scheduled; ``running``: vLLM's running requests, whose blocks
+        filled while they decode got their hashes after ``added`` (vLLM appends
+        to ``Request.block_hashes`` with the output tokens): filed now, before
+        this step's puts, so a decode put names its request and boundary too."""
+        if self.session.boundaries is not None:
+            for req in running:
+                named = self._named.get(req.request_id)
+                if named is not None and len(req.block_hashes) > named:
+                    self.session.add_boundaries(req.request_id, req.block_hashes, named)
+                    self._named[req.request_id] = len(req.block_hashes)
         self._pending.append((so, self.session.step))
         self.session.step += 1
 
@@ -178,6 +190,7 @@ class SchedulerRecorder:
 
     def finished(self, request: Any) -> None:
         """A request vLLM frees: its output, now known."""
+        self._named.pop(request.request_id, None)
         max_tokens = self._live.pop(request.request_id, None)
         if max_tokens is None:
             return
@@ -246,7 +259,7 @@ class _Recording:
     def schedule(self, *args, **kwargs):
         so = super().schedule(*args, **kwargs)
         if self._recorder is not None:
-            self._recorder.scheduled(so)
+            self._recorder.scheduled(so, self.running)
         return so
 
     def update_from_output(self, scheduler_output, model_runner_output):

@@ -127,13 +127,16 @@ class SchedulerSession:
         return {name: w.durable_now(now) for name, w in list(self.writers.items())
                 if w is not writer}
 
-    def add_boundaries(self, request_id: str, block_hashes) -> None:
+    def add_boundaries(self, request_id: str, block_hashes, start: int = 0) -> None:
+        """File ``block_hashes[start:]`` of ``request_id`` under their token
+        boundaries (a store key names a block hash; its row names the boundary and
+        the first request that held that prefix)."""
         b = self.boundaries
         if b is None or len(b) >= MAX_BOUNDARIES:
             return
         hbs = self.hash_block_size
-        for i, h in enumerate(block_hashes):
-            b.setdefault(bytes(h).hex(), ((i + 1) * hbs, request_id))
+        for i in range(start, len(block_hashes)):
+            b.setdefault(bytes(block_hashes[i]).hex(), ((i + 1) * hbs, request_id))
 
     def close(self) -> None:
         if self._closed:
