@@ -11,6 +11,7 @@ vLLM imports per pytest process or worker).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,22 @@ def bundled_targets() -> list[str]:
     return [str(p.relative_to(REPO)) for p in [*scenarios, *traces]]
 
 
+def bundled_items(*engines: str) -> list[str]:
+    """The items ``pytest fixtures/`` collects on ``engines``: one per target and
+    engine, and an ``ENGINE:recompute`` item beside it for a scenario that
+    expects every hit to match its recompute (``expect_recompute: true``)."""
+    items = []
+    for target in bundled_targets():
+        path = REPO / target
+        recompute = path.is_file() and re.search(r"^expect_recompute:\s*true\b",
+                                                  path.read_text(), re.M)
+        for engine in engines:
+            items.append(f"{target}::{engine}")
+            if recompute:
+                items.append(f"{target}::{engine}:recompute")
+    return items
+
+
 def test_the_entry_point_loads_the_plugin(tmp_path):
     """pyproject's pytest11 entry point, as pip installs it (a dist-info with
     entry_points.txt on the path), makes plain ``pytest fixtures/`` collect."""
@@ -79,8 +96,7 @@ def test_collects_every_fixture_once_per_engine():
                       "--replayer-engine", "vllm==0.29.0", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ids = [line for line in proc.stdout.splitlines() if "::" in line]
-    expected = [f"{t}::{e}" for t in bundled_targets() for e in ("installed", "vllm==0.29.0")]
-    assert sorted(ids) == sorted(expected)
+    assert sorted(ids) == sorted(bundled_items("installed", "vllm==0.29.0"))
     assert len(bundled_targets()) >= 11             # the JSONL slice and READMEs are not targets
 
 
@@ -98,11 +114,10 @@ def test_markers_come_from_the_target():
     # fixtures and the live store recordings.
     kimi = [p for p in (FIXTURES / "kimi_k3").glob("*.yaml") if "connector:" in p.read_text()]
     assert kimi
-    assert selected == sorted(
-        [f"fixtures/store/{p.name}::installed" for p in STORE.glob("*.yaml")]
-        + [f"fixtures/kimi_k3/{p.name}::installed" for p in kimi]
-        + [f"fixtures/traces/{p.name}::installed"
-           for p in (REPO / "fixtures" / "traces").glob("live_store_*")])
+    stores = {f"fixtures/store/{p.name}" for p in STORE.glob("*.yaml")} | {
+        f"fixtures/kimi_k3/{p.name}" for p in kimi} | {
+        f"fixtures/traces/{p.name}" for p in (REPO / "fixtures" / "traces").glob("live_store_*")}
+    assert selected == sorted(i for i in bundled_items("installed") if i.split("::")[0] in stores)
     # On the memory store nothing needs a master.
     proc = run_pytest("--collect-only", "-q", "fixtures/", "-m", "real_master", cwd=REPO)
     assert proc.returncode == 5, proc.stdout          # pytest: no tests collected
@@ -276,7 +291,7 @@ def test_this_repositorys_replayer_paths_collect_without_naming_them():
     assert data["tool"]["pytest"]["ini_options"]["replayer_paths"] == ["fixtures", "examples"]
     proc = run_pytest("--collect-only", "-q", "-o", "testpaths=fixtures", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert collected(proc) == sorted(f"{t}::installed" for t in bundled_targets())
+    assert collected(proc) == sorted(bundled_items("installed"))
 
 
 @pytest.mark.parametrize("bare", [["--update-golden"], ["--store=mooncake"],
