@@ -43,7 +43,7 @@ def cli(*args: object, env: dict[str, str] | None = None, cwd: Path = REPO,
 
 
 # Logger state the CLI changes in the process it runs in (replayer.replay.execution.environment).
-_CLI_LOGGERS = ("vllm", "prefix_replayer.recorder")
+_CLI_LOGGERS = ("vllm", "prefix_replayer.recorder", "vllm.prefix_replayer")
 # The interpreter's own warning filters (no -W, no PYTHONWARNINGS): what a fresh process shows.
 _FRESH_IGNORED = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 
@@ -74,7 +74,8 @@ def cli_here(*args: object, env: dict[str, str] | None = None,
     out, err = io.StringIO(), io.StringIO()
     environ = dict(os.environ)
     here = os.getcwd()
-    loggers = [(lg, lg.level, list(lg.handlers)) for lg in map(logging.getLogger, _CLI_LOGGERS)]
+    loggers = [(lg, lg.level, list(lg.handlers), lg.propagate)
+               for lg in map(logging.getLogger, _CLI_LOGGERS)]
     vllm_before = "vllm" in sys.modules
     common.NOTES_SAID.clear()
     try:
@@ -103,9 +104,10 @@ def cli_here(*args: object, env: dict[str, str] | None = None,
         for name, value in environ.items():
             if os.environ.get(name) != value:
                 os.environ[name] = value
-        for lg, level, handlers in loggers:
+        for lg, level, handlers, propagate in loggers:
             lg.setLevel(level)
             lg.handlers[:] = handlers
+            lg.propagate = propagate
         common.NOTES_SAID.clear()
     assert vllm_before or "vllm" not in sys.modules, (
         f"replayer {' '.join(argv)} imported vLLM in the test process: it replays, "

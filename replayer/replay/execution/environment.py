@@ -34,6 +34,8 @@ QUIET_ENV = {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_LOGS": "-torch",
              # Mooncake's C++ client and master (glog before init, then its own levels).
              "GLOG_minloglevel": "3", "MC_LOG_LEVEL": "ERROR", "MC_YLT_LOG_LEVEL": "error"}
 VERBOSE_ENV = "PREFIX_REPLAYER_VERBOSE"
+# The recorder's logger (replayer.recorder.releases): a server's log, quiet in a replay.
+RECORDER_LOGGER = "vllm.prefix_replayer"
 
 
 def quiet_vllm(verbose: bool) -> None:
@@ -47,7 +49,11 @@ def quiet_vllm(verbose: bool) -> None:
         os.environ.setdefault(key, value)
     logging.getLogger("vllm").setLevel(logging.ERROR)
     # The recorder logs a failed write at once (a server's log); here the error line says it.
-    logging.getLogger("prefix_replayer.recorder").addHandler(logging.NullHandler())
+    # (The recorder logs on vLLM's tree, vllm.prefix_replayer, so that a server's
+    # handler formats it; a replay that records keeps it out of vLLM's handler.)
+    recorder = logging.getLogger(RECORDER_LOGGER)
+    recorder.addHandler(logging.NullHandler())
+    recorder.propagate = False
 
 
 def engine_env_defaults() -> dict[str, str]:
