@@ -101,7 +101,10 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
     if ktc is not None and ktc.kv_connector in CONNECTORS:
         block["connector"] = CONNECTORS[ktc.kv_connector]
         extra = ktc.kv_connector_extra_config or {}
-        conf = {k: extra[k] for k in CONNECTOR_CONFIG_KEYS if k in extra}
+        conf = {k: extra[k] for k in CONNECTOR_CONFIG_KEYS[CONNECTORS[ktc.kv_connector]]
+                if k in extra}
+        if ktc.kv_role not in (None, "kv_both"):      # KVTransferConfig's own field
+            conf["kv_role"] = ktc.kv_role
         if conf:
             block["connector_config"] = conf
         if getattr(ktc, "kv_load_failure_policy", "fail") != "fail":

@@ -33,9 +33,15 @@ GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla", "chunked_loca
 # cache is not supported for eagle + chunked local attention").
 DRAFT_GROUP_KINDS = ("full_attention", "mla", "sliding_window")
 CONNECTORS = ("mooncake_store",)
-# MooncakeStoreConnector's kv_connector_extra_config keys the replay honours.
-CONNECTOR_CONFIG_KEYS = ("load_async", "lookup_async", "save_decode_cache", "enable_lookup",
-                         "cache_prefix", "enable_group_semantics")
+# vLLM's KVTransferConfig.kv_role, spelled as vLLM spells it (engine.connector_config.kv_role).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# Per connector: the engine.connector_config keys the replay honours, by vLLM's
+# names; kv_role is KVTransferConfig's own field, the rest its connector's
+# kv_connector_extra_config. A connector that honours no kv_role leaves it out.
+CONNECTOR_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "mooncake_store": ("kv_role", "load_async", "lookup_async", "save_decode_cache",
+                       "enable_lookup", "cache_prefix", "enable_group_semantics"),
+}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 # "all" (cache every block's state) is 0.29-0.31's; 0.32 removed it.
@@ -165,7 +171,8 @@ class EngineBlock:
     connector: str | None = field(default=None, metadata=_doc(
         "KV connector: mooncake_store; None: none", str, type(None)))
     connector_config: Mapping[str, Any] = field(default_factory=dict, hash=False, metadata=_doc(
-        "the connector's extra config, by vLLM's names", dict))
+        "the connector's settings, by vLLM's names: kv_role (KVTransferConfig's: "
+        "kv_producer, kv_consumer or kv_both, the default) and its extra config", dict))
     kv_load_failure_policy: str | None = field(default=None, metadata=_doc(
         "KVTransferConfig.kv_load_failure_policy: fail (vLLM's default: a request whose "
         "store load fails ends with an error) or recompute (its failed blocks are "
@@ -426,8 +433,12 @@ def _build(where: str, raw: Any) -> EngineBlock:
     if raw.get("kv_load_failure_policy") is not None:
         _choice(where, "kv_load_failure_policy", raw["kv_load_failure_policy"],
                 KV_LOAD_FAILURE_POLICIES, "engine.{key} must be one of {known}, got {value!r}")
-    reject_unknown_keys(where, "engine.connector_config", raw.get("connector_config") or {},
-                        CONNECTOR_CONFIG_KEYS)
+    config = raw.get("connector_config") or {}
+    reject_unknown_keys(where, "engine.connector_config", config,
+                        CONNECTOR_CONFIG_KEYS.get(raw.get("connector"), ()))
+    if "kv_role" in config:
+        _choice(where, "connector_config.kv_role", config["kv_role"], KV_ROLES,
+                "engine.{key} must be one of {known}, got {value!r}")
     if raw.get("tensor_parallel_size", 1) % raw.get("decode_context_parallel_size", 1):
         raise TraceError(where, "engine.tensor_parallel_size must be a multiple of "
                                 "engine.decode_context_parallel_size")
