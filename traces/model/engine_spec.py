@@ -32,7 +32,7 @@ GROUP_KINDS = ("full_attention", "mamba", "sliding_window", "mla", "chunked_loca
 # local attention, whose lookup asserts no EAGLE drop reaches it (vLLM: "Hybrid KV
 # cache is not supported for eagle + chunked local attention").
 DRAFT_GROUP_KINDS = ("full_attention", "mla", "sliding_window")
-CONNECTORS = ("mooncake_store",)
+CONNECTORS = ("mooncake_store", "offloading")
 # vLLM's KVTransferConfig.kv_role, spelled as vLLM spells it (engine.connector_config.kv_role).
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # Per connector: the engine.connector_config keys the replay honours, by vLLM's
@@ -41,6 +41,11 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTOR_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "mooncake_store": ("kv_role", "load_async", "lookup_async", "save_decode_cache",
                        "enable_lookup", "cache_prefix", "enable_group_semantics"),
+    # vLLM 0.33's OffloadingConnector (offloading/config.py, kv_offload/cpu/spec.py,
+    # kv_offload/base.py, offloading/scheduler.py); cpu_bytes_to_use is required.
+    "offloading": ("cpu_bytes_to_use", "block_size", "blocks_per_chunk", "spec_name",
+                   "eviction_policy", "store_threshold", "max_tracker_size",
+                   "offload_prompt_only", "sync_load_budget_bytes"),
 }
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
@@ -169,7 +174,8 @@ class EngineBlock:
     vocab_size: int = field(default=DEFAULT_VOCAB_SIZE, metadata=_doc(
         "vocabulary of the synthetic tokens (default 32000)", int))
     connector: str | None = field(default=None, metadata=_doc(
-        "KV connector: mooncake_store; None: none", str, type(None)))
+        "KV connector: mooncake_store or offloading (vLLM's OffloadingConnector, CPU "
+        "offload, vLLM 0.33); None: none", str, type(None)))
     connector_config: Mapping[str, Any] = field(default_factory=dict, hash=False, metadata=_doc(
         "the connector's settings, by vLLM's names: kv_role (KVTransferConfig's: "
         "kv_producer, kv_consumer or kv_both, the default) and its extra config", dict))
@@ -403,6 +409,33 @@ def _choice(where: str, key: str, value: Any, known: tuple[str, ...], message: s
         raise TraceError(where, message.format(key=key, value=value, known=", ".join(known)))
 
 
+OFFLOADING_EVICTION_POLICIES = ("lru", "arc")
+
+
+def _offloading_config(where: str, raw: dict[str, Any], config: dict[str, Any]) -> None:
+    """``connector: offloading``: vLLM's CPUOffloadingSpec refuses to start without
+    ``cpu_bytes_to_use``, and the Mooncake segment size means nothing to it."""
+    if not config.get("cpu_bytes_to_use"):
+        raise TraceError(where, "engine.connector offloading needs "
+                                "engine.connector_config.cpu_bytes_to_use (bytes of CPU "
+                                "memory for offloaded blocks, as vLLM requires)")
+    for key in ("cpu_bytes_to_use", "block_size", "blocks_per_chunk", "store_threshold",
+                "max_tracker_size", "sync_load_budget_bytes"):
+        if key in config:
+            check_int(where, f"engine.connector_config.{key}", config[key],
+                      0 if key in ("store_threshold", "sync_load_budget_bytes") else 1)
+    if not isinstance(config.get("offload_prompt_only", True), bool):
+        raise TraceError(where, "engine.connector_config.offload_prompt_only must be a bool")
+    if config.get("eviction_policy", "lru") not in OFFLOADING_EVICTION_POLICIES:
+        raise TraceError(where, "engine.connector_config.eviction_policy must be one of "
+                                f"{', '.join(OFFLOADING_EVICTION_POLICIES)}, got "
+                                f"{config['eviction_policy']!r}")
+    if raw.get("mooncake_global_segment_size") is not None:
+        raise TraceError(where, "engine.mooncake_global_segment_size needs engine.connector "
+                                "mooncake_store (offloading sizes its CPU tier with "
+                                "connector_config.cpu_bytes_to_use)")
+
+
 def _build(where: str, raw: Any) -> EngineBlock:
     if not isinstance(raw, dict):
         raise TraceError(where, "engine must be a mapping")
@@ -434,6 +467,8 @@ def _build(where: str, raw: Any) -> EngineBlock:
         _choice(where, "kv_load_failure_policy", raw["kv_load_failure_policy"],
                 KV_LOAD_FAILURE_POLICIES, "engine.{key} must be one of {known}, got {value!r}")
     config = raw.get("connector_config") or {}
+    if raw.get("connector") == "offloading":
+        _offloading_config(where, raw, config)
     reject_unknown_keys(where, "engine.connector_config", config,
                         CONNECTOR_CONFIG_KEYS.get(raw.get("connector"), ()))
     if "kv_role" in config:
