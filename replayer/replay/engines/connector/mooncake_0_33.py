@@ -74,11 +74,20 @@ CONNECTOR_NAMES = {"mooncake_store": "MooncakeStoreConnector"}
 
 
 def kv_transfer_config(engine: EngineBlock) -> KVTransferConfig:
+    """vLLM's ``KVTransferConfig`` for the trace's connector: ``connector_config``'s
+    ``kv_role`` is the config's own field (default ``kv_both``), the rest its
+    ``kv_connector_extra_config``. What each role does is the connector's own
+    code in every release 0.29-0.33 (read in their sources): ``kv_consumer``
+    saves no prompt KV (``skip_save``, no Mamba boundary puts, from 0.30 no
+    finish-time tail puts, no send thread unless ``save_decode_cache``), and looks up and
+    loads; ``kv_producer`` saves, and looks up and loads as ``kv_both`` does
+    (``enable_lookup: false`` is vLLM's switch for an instance that never loads)."""
     extra = dict(engine.connector_config)
+    role = extra.pop("kv_role", "kv_both")
     policy = {} if engine.kv_load_failure_policy is None else {
         "kv_load_failure_policy": engine.kv_load_failure_policy}
     return KVTransferConfig(kv_connector=CONNECTOR_NAMES[engine.connector],
-                            kv_role="kv_both", kv_connector_extra_config=extra, **policy)
+                            kv_role=role, kv_connector_extra_config=extra, **policy)
 
 
 class StoreAwareExecutor(NullExecutor):
