@@ -29,6 +29,7 @@ $(STAMP): $(DEMO_STAMP)
 	touch $(STAMP)
 
 $(SERVE_STAMP): scripts/install-serve-venv.sh pyproject.toml
+	scripts/system-deps.sh serve
 	PYTHON=$(PYTHON) scripts/install-serve-venv.sh $(SERVE_VENV)
 
 serve-venv: $(SERVE_STAMP)

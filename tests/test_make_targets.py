@@ -59,3 +59,15 @@ def test_make_demo_cpu_builds_the_cpu_torch_venv_and_checks_the_fixture(tmp_path
     script = (REPO / "scripts" / "install-cpu-venv.sh").read_text()
     assert '"$PIP" install --quiet -e .\n' in script          # not [replay]: no CUDA torch
     assert 'endswith("+cpu")' in script
+
+
+def test_make_serve_venv_installs_its_system_packages_first(tmp_path):
+    """`make serve-venv` stands alone on a fresh machine: the system packages the
+    serving venv loads (libibverbs1 for the Mooncake client, libnuma1) come before
+    its install, not only through `make test`."""
+    lines = dry_run("serve-venv", tmp_path)
+    assert lines[0] == "scripts/system-deps.sh serve", lines
+    assert lines[1].endswith(f"scripts/install-serve-venv.sh {tmp_path}/serve"), lines
+    script = (REPO / "scripts" / "system-deps.sh").read_text()
+    serve_part = script.split('if [ "$what" = all ]', 1)[0]
+    assert "libibverbs1" in serve_part and "libnuma1" in serve_part
