@@ -188,6 +188,12 @@ class EngineBlock:
         "bytes or as 64MB/2GB (the pool is ranks x this); the memory store evicts its "
         "oldest objects beyond it; omitted: Mooncake's default (4 GiB, no pressure "
         "in the fixtures); --store-capacity overrides it; needs connector", int, str))
+    prefill_instance: Mapping[str, Any] | None = field(default=None, hash=False, metadata=_doc(
+        "a prefill/decode pair sharing one store: this block is the decode instance, "
+        "and a second engine of the same geometry with this mapping's connector_config "
+        "(e.g. {kv_role: kv_producer}) prefills each request first, with one output "
+        "token, as a disaggregated proxy sends it; needs connector mooncake_store",
+        dict, type(None)))
     # What the header or scenario said, normalised: to_header() gives it back.
     given: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False,
                                      hash=False)
@@ -222,6 +228,17 @@ class EngineBlock:
                                  "format (e.g. enable_mamba_shared_prefix_checkpoint, "
                                  "speculative.disable_lookahead_block_hashes)")
         return replace(self, allow_missing=tuple(dict.fromkeys((*self.allow_missing, *names))))
+
+    def prefill_engine(self) -> "EngineBlock":
+        """A pair's prefill instance (``prefill_instance``): this block with that
+        instance's ``connector_config``, and no prefill instance of its own."""
+        config = dict((self.prefill_instance or {}).get("connector_config") or {})
+        given = {k: v for k, v in self.given.items() if k != "prefill_instance"}
+        if config:
+            given["connector_config"] = copy.deepcopy(config)
+        else:
+            given.pop("connector_config", None)
+        return replace(self, connector_config=config, prefill_instance=None, given=given)
 
     def with_settings(self, **changes: Any) -> "EngineBlock":
         """A copy with some keys set as if the header had said so (validated again)."""
@@ -436,6 +453,31 @@ def _offloading_config(where: str, raw: dict[str, Any], config: dict[str, Any]) 
                                 "connector_config.cpu_bytes_to_use)")
 
 
+def _prefill_instance(where: str, raw: dict[str, Any]) -> None:
+    """``engine.prefill_instance``: its own ``connector_config`` (the same keys as
+    the block's), over a MooncakeStore both instances share."""
+    if raw.get("connector") != "mooncake_store":
+        raise TraceError(where, "engine.prefill_instance needs engine.connector "
+                                "mooncake_store (the store the two instances share)")
+    reject_unknown_keys(where, "engine.prefill_instance", raw["prefill_instance"],
+                        ("connector_config",))
+    config = raw["prefill_instance"].get("connector_config") or {}
+    if not isinstance(config, dict):
+        raise TraceError(where, "engine.prefill_instance.connector_config must be a mapping")
+    reject_unknown_keys(where, "engine.prefill_instance.connector_config", config,
+                        CONNECTOR_CONFIG_KEYS["mooncake_store"])
+    if "kv_role" in config:
+        _choice(where, "prefill_instance.connector_config.kv_role", config["kv_role"],
+                KV_ROLES, "engine.{key} must be one of {known}, got {value!r}")
+    for key, value in config.items():
+        if key == "cache_prefix" and not isinstance(value, str):
+            raise TraceError(where, "engine.prefill_instance.connector_config.cache_prefix "
+                                    "must be a string")
+        if key not in ("kv_role", "cache_prefix") and not isinstance(value, bool):
+            raise TraceError(where, f"engine.prefill_instance.connector_config.{key} must be "
+                                    "true or false")
+
+
 def _build(where: str, raw: Any) -> EngineBlock:
     if not isinstance(raw, dict):
         raise TraceError(where, "engine must be a mapping")
@@ -474,6 +516,8 @@ def _build(where: str, raw: Any) -> EngineBlock:
     if "kv_role" in config:
         _choice(where, "connector_config.kv_role", config["kv_role"], KV_ROLES,
                 "engine.{key} must be one of {known}, got {value!r}")
+    if raw.get("prefill_instance") is not None:
+        _prefill_instance(where, raw)
     if raw.get("tensor_parallel_size", 1) % raw.get("decode_context_parallel_size", 1):
         raise TraceError(where, "engine.tensor_parallel_size must be a multiple of "
                                 "engine.decode_context_parallel_size")
