@@ -64,11 +64,12 @@ def start_workers_early(args, spec: Any) -> None:
         start_fork_server(getattr(args, "verbose", False))
 
 
-def make_host(args, segments: int) -> Any:
+def make_host(args, segments: int, spec: Any = None) -> Any:
+    from replayer.replay.engines.sources.specs import resolve
     from replayer.replay.segments.hosts import make_host as make
 
     return make(getattr(args, "ray", None), getattr(args, "jobs", None), segments,
-                getattr(args, "verbose", False))
+                getattr(args, "verbose", False), None if spec is None else resolve(spec))
 
 
 class SegmentedRunner:
@@ -98,7 +99,7 @@ class SegmentedRunner:
             return self.fallback(trace)
         warm = warm_up_steps(self.args.warm_up, trace)
         if self.host is None:
-            self.host = make_host(self.args, self.args.segments)
+            self.host = make_host(self.args, self.args.segments, self.spec)
         result, report = replay_segments(
             trace, self.host, self.args.segments, warm, self.args.warm_up, spec=self.spec,
             shortcuts=not getattr(self.args, "no_shortcuts", False),

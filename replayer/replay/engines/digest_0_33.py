@@ -213,9 +213,12 @@ def _prefix_cache(d: _Digest, pool: Any) -> list[str]:
     extra = sorted(f"{d.block(pool.blocks[i])} "
                    + " ".join(sorted(bytes(k).hex() for k in keys))
                    for i, keys in pool.cached_block_hashes_by_block.items())
-    watched = sorted(d.block(pool.blocks[i]) for i in pool._reuse_watchers)
-    return [f"{len(cache)} keys", *entries, *extra, d.obj(cached, "cached_block_hash_to_block"),
-            d.obj(pool, "block_pool"), f"reuse_watchers {' '.join(watched)}"]
+    out = [f"{len(cache)} keys", *entries, *extra, d.obj(cached, "cached_block_hash_to_block"),
+           d.obj(pool, "block_pool")]
+    if hasattr(pool, "_reuse_watchers"):            # vLLM 0.30 on
+        watched = sorted(d.block(pool.blocks[i]) for i in pool._reuse_watchers)
+        out.append(f"reuse_watchers {' '.join(watched)}")
+    return out
 
 
 def _replayer(d: _Digest, engine: Any) -> list[str]:
@@ -240,11 +243,16 @@ def _blocks(d: _Digest, pool: Any) -> list[str]:
     return [f"{len(d.blocks)} met, {unmet} held elsewhere", *rows]
 
 
-def state_sections(engine: Any, loop: dict[str, int]) -> dict[str, list[str]]:
+def state_sections(engine: Any, loop: dict[str, int], *,
+                   scheduler: Callable[[_Digest, Any], list[str]] = _scheduler,
+                   prefix_cache: Callable[[_Digest, Any], list[str]] = _prefix_cache,
+                   ) -> dict[str, list[str]]:
     """The canonical text of ``engine``'s state, by section (one line per item).
 
     ``engine`` is the 0.33 adapter (:class:`~.vllm_0_33.Vllm033Engine`);
-    ``loop`` the replay loop's own state at the pause (clock, idle counters).
+    ``loop`` the replay loop's own state at the pause (clock, idle counters);
+    ``scheduler`` and ``prefix_cache``: those sections' writers (an earlier
+    release's, :mod:`.digest_0_29`, where its fields differ).
     Raises :class:`DigestError` on a value it cannot encode."""
     sched = engine.scheduler
     kvm = sched.kv_cache_manager
@@ -256,8 +264,8 @@ def state_sections(engine: Any, loop: dict[str, int]) -> dict[str, list[str]]:
     out["queues"] = [f"waiting {d.enc(sched.waiting, 'scheduler.waiting')}",
                      f"running {d.enc(sched.running, 'scheduler.running')}"]
     out["requests"] = _requests(d, sched)
-    out["scheduler"] = _scheduler(d, sched)
-    out["prefix_cache"] = _prefix_cache(d, kvm.block_pool)
+    out["scheduler"] = scheduler(d, sched)
+    out["prefix_cache"] = prefix_cache(d, kvm.block_pool)
     out["engine_core"] = [d.obj(core, "engine_core"),
                           "aborts " + d.enc(list(core.aborts_queue.queue), "aborts_queue")]
     out["replayer"] = _replayer(d, engine)

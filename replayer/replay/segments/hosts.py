@@ -183,10 +183,13 @@ class _PoolSlot:
                                        name=f"replayer-segment-{index}")
             self.process.start()
         child.close()
-        self.conn = parent
+        self._serve(parent)
+
+    def _serve(self, conn: Any) -> None:
+        self.conn = conn
         self.calls: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._pump, daemon=True,
-                                       name=f"replayer-segment-pump-{index}")
+                                       name=f"replayer-segment-pump-{self.index}")
         self.thread.start()
 
     def _pump(self) -> None:
@@ -294,6 +297,107 @@ class PoolHost:
         self._slots = []
 
 
+class _ReleaseProcess:
+    """A child interpreter seen as a multiprocessing process (what :class:`_PoolSlot`
+    reads of one: its exit code, join, is_alive, kill)."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        import subprocess
+
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+class _ReleaseSlot(_PoolSlot):
+    """One slot in an interpreter of its own whose ``sys.path`` starts with a
+    release's (or a source tree's) vLLM: only a fresh interpreter can import
+    another vLLM than the installed one (as :mod:`replayer.replay.execution.child_process`
+    does for a whole replay). It answers the same calls over a socket."""
+
+    def __init__(self, engine: Any, overlay: str, index: int, verbose: bool) -> None:
+        import socket
+        import subprocess
+        import sys
+        from multiprocessing.connection import Connection
+        from pathlib import Path
+
+        from replayer.replay.execution.environment import engine_env, stderr_fd
+
+        self.index = index
+        parent, child = socket.socketpair()
+        base = {**os.environ, **_pinned_env(verbose)}
+        env = engine_env(engine, Path(overlay), base=base)
+        try:
+            proc = subprocess.Popen(
+                [engine.interpreter or sys.executable, "-m", "replayer.replay.segments.slot_main",
+                 str(child.fileno()), "1" if verbose else "0", str(os.getpid())],
+                stdin=subprocess.DEVNULL, stdout=stderr_fd(), env=env,
+                pass_fds=(child.fileno(),))
+        finally:
+            child.close()
+        self.process = _ReleaseProcess(proc)
+        self._serve(Connection(parent.detach()))
+
+
+class ReleaseHost:
+    """Processes of their own for a release or a source tree: ``processes``
+    interpreters, each importing that vLLM (no fork server can share one import
+    with this process, which imported another vLLM or none)."""
+
+    kind = "release processes"
+    imports_vllm_once = False        # each process imports the release in its first start-up
+
+    def __init__(self, engine: Any, processes: int, verbose: bool = False) -> None:
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from replayer.replay.execution.environment import write_overlay
+
+        t0 = time.perf_counter()
+        self.engine = engine
+        self.slots = max(1, processes)
+        self._overlay = tempfile.mkdtemp(prefix="replayer-segments-")
+        self._slots: list[_PoolSlot] = []
+        try:
+            write_overlay(engine, Path(self._overlay))
+            for i in range(self.slots):
+                self._slots.append(_ReleaseSlot(engine, self._overlay, i, verbose))
+        except BaseException:
+            self.close()
+            shutil.rmtree(self._overlay, ignore_errors=True)
+            raise
+        self.startup_s = time.perf_counter() - t0
+
+    def describe(self) -> str:
+        return f"on {self.slots} process(es) of {self.engine.info.label}'s own"
+
+    call = PoolHost.call
+
+    def close(self) -> None:
+        import shutil
+
+        for s in self._slots:
+            s.close()
+        self._slots = []
+        shutil.rmtree(self._overlay, ignore_errors=True)
+
+
 class _RayActor:
     """A Ray actor holding segment workers (Ray runs an actor's calls in order)."""
 
@@ -369,10 +473,21 @@ class RayHost:
             self._ray.shutdown()
 
 
-def make_host(ray: str | None, jobs: int | None, segments: int, verbose: bool = False) -> Any:
+def make_host(ray: str | None, jobs: int | None, segments: int, verbose: bool = False,
+              engine: Any = None) -> Any:
     """Where the segments run: Ray (``ray``: an address, or ``local`` for an
     instance started here), this process (``jobs`` 1), or a local pool of at
-    most ``jobs`` processes (default: the cores there are)."""
+    most ``jobs`` processes (default: the cores there are). ``engine`` (a
+    resolved engine) that does not run here (a release, a source tree): at most
+    ``jobs`` processes that import it (one with ``jobs`` 1); not on Ray."""
+    if engine is not None and not engine.runs_here():
+        if ray:
+            from traces import TraceError
+
+            raise TraceError("--ray", f"not with {engine.info.label}: its vLLM is imported "
+                                      "by processes started here (Ray's actors import the "
+                                      "installed one)")
+        return ReleaseHost(engine, min(segments, jobs or os.cpu_count() or 1), verbose)
     if ray:
         return RayHost(None if ray == "local" else ray, segments, verbose)
     if jobs == 1:

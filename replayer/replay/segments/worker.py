@@ -30,7 +30,9 @@ from traces import Trace
 from traces.model.outcome import RequestOutcome
 
 # vLLM release prefix -> the module whose ``DIGEST`` reads that release's state.
-DIGESTS = {"0.33": "replayer.replay.engines.digest_0_33"}
+DIGESTS = {"0.33": "replayer.replay.engines.digest_0_33",
+           **dict.fromkeys(("0.29", "0.30", "0.31", "0.32"),
+                           "replayer.replay.engines.digest_0_29")}
 
 
 def digest_module(version: str) -> str | None:
@@ -48,8 +50,6 @@ def serial_reason(trace: Trace, spec: Any) -> str | None:
     engine = resolve(spec)
     if engine.info.worker == "model":
         return "the state digest does not read a model runner's state"
-    if not engine.runs_here():
-        return f"{engine.info.label} replays in a process of its own"
     if digest_module(engine.info.vllm) is None:
         return f"there is no state digest for vLLM {engine.info.vllm} (segments need one)"
     return why_serial(trace)
