@@ -86,6 +86,29 @@ def test_segments_replay_byte_identical(name, k, warm):
 
 
 @pytest.mark.slow
+def test_a_release_splits_with_the_sequential_bytes():
+    """vLLM 0.31.0 (a release, not the installed vLLM): its segments run in a process
+    of their own that imports it (one, --jobs 1), its boundaries proven by the
+    0.29-0.32 digest; both match at a 50-step warm-up and the bytes are the
+    sequential replay's on that release."""
+    from replayer.replay.engines.sources.specs import resolve
+    from replayer.replay.execution.clients import replay_on
+    from replayer.replay.segments.hosts import make_host
+
+    trace = _trace("live_eagle")
+    engine = resolve("vllm==0.31.0")
+    seq = replay_on(trace, engine)
+    host = make_host(None, 1, 3, engine=engine)
+    try:
+        res, report = replay_segments(trace, host, 3, 50, spec=engine)
+    finally:
+        host.close()
+    assert res.engine.vllm == "0.31.0" and host.kind == "release processes"
+    _assert_same(seq, res)
+    assert report.matched == [1, 2]
+
+
+@pytest.mark.slow
 def test_physical_block_ids_change_nothing():
     """The digest leaves physical block ids out because no decision depends on them:
     a replay over a permuted pool gives the same bytes, and the same digest at a
