@@ -317,6 +317,54 @@ def test_cli_segment_options_are_checked():
     check_segment_opts(argparse.Namespace(segments=1, jobs=None, worker="model"))
 
 
+def test_shrink_splits_only_its_long_probes():
+    """shrink --segments: a probe of LONG_PROBE_REQUESTS requests or more replays in
+    segments, a shorter one (or one asked for more than its trace) through the
+    engine's client; the shrink's options are checked like run's."""
+    from types import SimpleNamespace
+
+    from replayer.cli.segmented import LONG_PROBE_REQUESTS, SegmentedClient
+
+    calls: list[tuple[str, int]] = []
+
+    class Client:
+        info, in_process, parallel = "engine", False, True
+
+        def __call__(self, trace, **kw):
+            calls.append(("client", trace.requests.num_rows))
+            return "whole"
+
+        def replay_many(self, traces, store=None):
+            return [self(t) for t in traces]
+
+        def close(self):
+            calls.append(("closed", 0))
+
+    def runner(trace, label=None):
+        calls.append(("segments", trace.requests.num_rows))
+        return "split"
+
+    runner.close = lambda: calls.append(("runner closed", 0))
+    seg = SegmentedClient(Client(), runner)
+
+    def trace(n):
+        return SimpleNamespace(requests=SimpleNamespace(num_rows=n))
+
+    long, short = trace(LONG_PROBE_REQUESTS), trace(LONG_PROBE_REQUESTS - 1)
+    assert seg(long) == "split" and seg(short) == "whole"
+    assert seg(long, store="s") == "whole"
+    assert seg.replay_many([short, short]) == ["whole", "whole"]
+    assert seg.replay_many([short, long]) == ["whole", "split"]
+    seg.close()
+    n = LONG_PROBE_REQUESTS
+    assert calls == [("segments", n), ("client", n - 1), ("client", n), ("client", n - 1),
+                     ("client", n - 1), ("client", n - 1), ("segments", n),
+                     ("runner closed", 0), ("closed", 0)]
+    proc = cli_here("shrink", TRACES / "live_eagle", "-o", "/dev/null", "--diff", "installed",
+                    "installed", "--segments", "0")
+    assert proc.returncode == 2 and "--segments: must be at least 1" in proc.stderr
+
+
 def test_pool_processes_fork_from_one_server_that_imported_vllm(monkeypatch):
     """The pool's processes fork from a server preloading vLLM (one import for them
     all); a pool at another log level than that server's spawns its own."""

@@ -123,3 +123,49 @@ class SegmentedRunner:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# A shrink probe this long or longer replays in segments (--segments): each
+# segment's engine build and warm-up cost about a second on these machines, so
+# a split of a shorter probe (most of a shrink's, once it has cut the input
+# down) saves less than it costs, and those replay through the client itself.
+LONG_PROBE_REQUESTS = 1000
+
+
+class SegmentedClient:
+    """An engine client whose long replays (at least :data:`LONG_PROBE_REQUESTS`
+    requests, nothing else asked of them) run in time segments; the rest, and
+    batches side by side, through ``client`` itself. The output is the same."""
+
+    def __init__(self, client: Any, runner: SegmentedRunner) -> None:
+        self.client = client
+        self.runner = runner
+        self.info = client.info
+        self.in_process = client.in_process
+        self.parallel = client.parallel
+
+    def _long(self, trace) -> bool:
+        return trace.requests.num_rows >= LONG_PROBE_REQUESTS
+
+    def __call__(self, trace, **kw: Any):
+        if kw or not self._long(trace):
+            return self.client(trace, **kw)
+        return self.runner(trace, label="probe")
+
+    def replay_many(self, traces, store: Any = None) -> list[Any]:
+        if store is not None or not any(self._long(t) for t in traces):
+            return self.client.replay_many(traces, store=store)
+        return [self(t) for t in traces]
+
+    def close(self) -> None:
+        self.runner.close()
+        self.client.close()
+
+
+def long_probes_in_segments(args) -> Any:
+    """shrink's ``wrap``: None without ``--segments``, else each engine's client
+    with its long probes in segments (a host of its own per engine)."""
+    if args.segments < 2:
+        return None
+    return lambda spec, client: SegmentedClient(client, SegmentedRunner(args, spec, client))
+

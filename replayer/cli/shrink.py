@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from replayer.cli.common import ENGINE_HELP, EXIT_OK, error, no_server_opt
+from replayer.cli.common import ENGINE_HELP, EXIT_OK, error, no_server_opt, worker_opt
 
 EXIT_INTERRUPTED = 130
 
@@ -31,7 +31,11 @@ def add_parser(sub) -> None:
     shr.add_argument("--max-probes", type=int, metavar="N", help="stop after N probes")
     shr.add_argument("--timeout", type=float, metavar="SECONDS", help="stop after this long")
     shr.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
+    worker_opt(shr)
     no_server_opt(shr)
+    from replayer.cli.segmented import segment_opts
+
+    segment_opts(shr, ray=False)
 
 
 def property_of(args):
@@ -70,10 +74,18 @@ def run(args) -> int:
         return error("--max-probes must be at least 1")
     if args.timeout is not None and args.timeout <= 0:
         return error("--timeout must be positive")
+    from replayer.cli.segmented import check_segment_opts, long_probes_in_segments
+    from traces import TraceError
+
+    try:
+        check_segment_opts(args)
+    except TraceError as exc:
+        return error(str(exc))
     try:
         out = shrink(args.target, args.output, prop, max_probes=args.max_probes,
-                     timeout=args.timeout)
-    except ShrinkFailed as exc:
+                     timeout=args.timeout, worker=args.worker,
+                     wrap=long_probes_in_segments(args))
+    except (ShrinkFailed, TraceError) as exc:
         return error(str(exc))
     r, t = out.requests, out.tokens
     print(f"wrote {out.output}: {r[1]} request(s) of {r[0]}, {out.events[1]} event(s) of "

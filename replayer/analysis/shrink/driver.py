@@ -47,13 +47,18 @@ class Outcome:
     names: dict[str, str] = field(default_factory=dict)
 
 
-def _clients(specs: list[str]) -> dict[str, Any]:
+def _clients(specs: list[str], worker: str = "null",
+             wrap: Callable[[Any, Any], Any] | None = None) -> dict[str, Any]:
+    """A client per engine text, each on ``worker`` (the warm server's when one runs);
+    ``wrap(spec, client)``: the client the probes use instead (time segments)."""
     from replayer.replay.engines.sources.specs import parse_spec
     from replayer.replay.execution.clients import interpreter_seed_pinned, make_client
 
-    for s in specs:
-        parse_spec(s)                       # a bad spec is said before anything runs
-    return {s: make_client(s, own_process=not interpreter_seed_pinned()) for s in specs}
+    # A bad spec (or one that cannot run a model) is said before anything runs.
+    parsed = {s: parse_spec(s, worker) for s in specs}
+    clients = {s: make_client(p, own_process=not interpreter_seed_pinned())
+               for s, p in parsed.items()}
+    return clients if wrap is None else {s: wrap(parsed[s], c) for s, c in clients.items()}
 
 
 def _workers(clients: dict[str, Any]) -> int:
@@ -64,15 +69,25 @@ def _workers(clients: dict[str, Any]) -> int:
 
 def shrink(target: str, output: str, prop: Any, *, max_probes: int | None = None,
            timeout: float | None = None,
-           say: Callable[[str], None] | None = None) -> Outcome:
-    """Shrink ``target`` keeping ``prop`` (:mod:`.prop`); write the scenario to ``output``."""
+           say: Callable[[str], None] | None = None, worker: str = "null",
+           wrap: Callable[[Any, Any], Any] | None = None) -> Outcome:
+    """Shrink ``target`` keeping ``prop`` (:mod:`.prop`); write the scenario to ``output``;
+    every probe replays on ``worker`` (``model``: vLLM's own model runner), through
+    ``wrap(spec, client)``'s client where given (``--segments``)."""
     say = say or (lambda m: print(m, file=sys.stderr, flush=True))
     trace = load_target(target)
     case0 = Case.from_trace(trace)
     request = getattr(prop, "request", None)
     if request is not None and request not in case0.ids:
         raise ShrinkFailed(f"{target}: no request {request!r} in the trace")
-    clients = _clients(prop.engines)
+    if worker == "model":                   # refused in one line, before any engine starts
+        from replayer.replay.engines.worker.models import NotOnThisWorker, check_geometry
+
+        try:
+            check_geometry(trace.sized_engine(), "--worker model")
+        except NotOnThisWorker as exc:
+            raise ShrinkFailed(f"{target}: {exc}") from None
+    clients = _clients(prop.engines, worker, wrap)
     try:
         return _shrink(target, output, prop, case0, clients, max_probes, timeout, say)
     finally:
