@@ -112,12 +112,15 @@ class Segmented:
 
     def __init__(self, segments: int, warm_up: str, engine_spec: str, executor: str,
                  workers: int | None, ray_address: str | None) -> None:
+        from replayer.replay.engines.sources.specs import resolve
         from replayer.replay.segments.hosts import make_host
 
         self.segments, self.warm_up, self.engine_spec = segments, warm_up, engine_spec
+        # A release's segments run on processes that import it (not on Ray).
         self.host = make_host((ray_address or "local") if executor == "ray" else None,
                               1 if executor == "serial" else workers, segments,
-                              os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1")
+                              os.environ.get("PREFIX_REPLAYER_VERBOSE") == "1",
+                              engine=resolve(engine_spec))
         self.reports: list[Any] = []
 
     def __call__(self, trace: Any, fallback: Any) -> Any:
