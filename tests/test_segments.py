@@ -315,6 +315,12 @@ def test_cli_segment_options_are_checked():
     with pytest.raises(TraceError, match="--segments: not with --worker model"):
         check_segment_opts(argparse.Namespace(segments=2, jobs=None, worker="model"))
     check_segment_opts(argparse.Namespace(segments=1, jobs=None, worker="model"))
+    # A release's segments import it in processes started here: not on Ray's actors.
+    from replayer.replay.engines.sources.specs import resolve
+    from replayer.replay.segments.hosts import make_host
+
+    with pytest.raises(TraceError, match="--ray: not with vllm 0.31.0"):
+        make_host("local", None, 2, engine=resolve("vllm==0.31.0"))
 
 
 def test_shrink_splits_only_its_long_probes():
