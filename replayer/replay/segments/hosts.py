@@ -385,7 +385,7 @@ class ReleaseHost:
         self.startup_s = time.perf_counter() - t0
 
     def describe(self) -> str:
-        return f"on {self.slots} process(es) of {self.engine.info.label}'s own"
+        return f"on {self.slots} process(es) importing {self.engine.info.label}"
 
     call = PoolHost.call
 
