@@ -93,9 +93,13 @@ ARGS=("$@")
 # Two xdist workers for a phase whose tests spend their time in CLI children, one
 # core each (releases are fetched and commits exported under file locks; each
 # console block runs in a private copy): about half the wall time on 2 cores.
+# --dist worksteal: a worker that runs out takes half of the other's queue, so a
+# phase no longer ends on one worker with a minutes-long test still queued behind
+# the one it runs (xdist's default, load, keeps two queued per worker).
+TWO_WORKERS=(-n 2 --dist worksteal)
 on_two_workers() {  # on_two_workers pytest_phase NAME FILES...
   local saved=("${ARGS[@]}")
-  ARGS=(-n 2 "${saved[@]}")
+  ARGS=("${TWO_WORKERS[@]}" "${saved[@]}")
   "$@"
   ARGS=("${saved[@]}")
 }
@@ -114,10 +118,10 @@ real_master() {
     echo "(inside a private network namespace: unshare -n, ip link set lo up, a server of its own)"
     unshare -n sh -c "ip link set lo up && export PREFIX_REPLAYER_RUNTIME_DIR=\$(mktemp -d /tmp/replayer-ns.XXXXXX) \
       && '$PY' -m replayer server start --lazy >/dev/null \
-      && { '$PY' -m pytest -q -n 2 ${DURATIONS[*]} -m 'real_master or live_server' tests/ ${ARGS[*]}; rc=\$?; \
+      && { '$PY' -m pytest -q ${TWO_WORKERS[*]} ${DURATIONS[*]} -m 'real_master or live_server' tests/ ${ARGS[*]}; rc=\$?; \
            '$PY' -m replayer server stop >/dev/null; rm -rf \"\$PREFIX_REPLAYER_RUNTIME_DIR\"; exit \$rc; }"
   else
-    "$PY" -m pytest -q -n 2 "${DURATIONS[@]}" -m "real_master or live_server" tests/ "${ARGS[@]}"
+    "$PY" -m pytest -q "${TWO_WORKERS[@]}" "${DURATIONS[@]}" -m "real_master or live_server" tests/ "${ARGS[@]}"
   fi
 }
 
@@ -147,15 +151,17 @@ on_two_workers pytest_phase "replays on vLLM releases and source trees, on 2 xdi
 # under Triton's interpreter). A file per worker (--dist loadfile) took 575 s:
 # test_model_worker.py alone is most of it.
 on_two_workers pytest_phase "model worker: vLLM's own model runner in .venv-serve, held to the null executor; check --recompute and planted faults, on 2 xdist workers" $MODEL_WORKER
-pytest_phase "pytest plugin and replayer.pytest.testing (pytest runs in subprocesses, -n 2 included)" $PLUGIN
+on_two_workers pytest_phase "pytest plugin and replayer.pytest.testing (pytest runs in subprocesses, -n 2 included), on 2 xdist workers" $PLUGIN
+# On the installed vLLM only: every fixture on vllm==0.29.0 is docs/engines.md's
+# console block (check --engine vllm==0.29.0 fixtures/, its exit code 0 included).
 golden_fixtures() {  # nothing collected (exit 5) means the plugin is not registered: a failure
-  "$PY" -m pytest -q fixtures/ --replayer-engine installed --replayer-engine vllm==0.29.0 \
+  "$PY" -m pytest -q "${TWO_WORKERS[@]}" fixtures/ --replayer-engine installed \
     "${ARGS[@]}" && return 0
   local rc=$?
   [ "$rc" = 5 ] && echo "no fixture collected: is the pytest11 entry point installed? (pip install -e .)"
   return "$rc"
 }
-phase "golden fixtures through the plugin: pytest fixtures/ on installed and vllm==0.29.0" \
+phase "golden fixtures through the plugin: pytest fixtures/ on installed, on 2 xdist workers" \
   golden_fixtures
 on_two_workers pytest_phase "console blocks of README.md and docs/ (tests/test_readme.py), on 2 xdist workers" $README
 if [ -n "$OTHERS" ]; then
