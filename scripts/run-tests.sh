@@ -111,17 +111,20 @@ for v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"):
     print(f"vllm=={v}: {release_sources(v)}")'
 }
 
+# Only the files that mark tests real_master or live_server: collecting all of tests/
+# in each xdist worker imported vLLM and every other test module for nothing.
 real_master() {
+  local marked; marked=$(grep -l -E 'mark\.(real_master|live_server)' tests/test_*.py | tr '\n' ' ')
   if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null; then
     # A warm server of the namespace's own: forks of the run's server live outside
     # it and could not reach a master on its loopback.
     echo "(inside a private network namespace: unshare -n, ip link set lo up, a server of its own)"
     unshare -n sh -c "ip link set lo up && export PREFIX_REPLAYER_RUNTIME_DIR=\$(mktemp -d /tmp/replayer-ns.XXXXXX) \
       && '$PY' -m replayer server start --lazy >/dev/null \
-      && { '$PY' -m pytest -q ${TWO_WORKERS[*]} ${DURATIONS[*]} -m 'real_master or live_server' tests/ ${ARGS[*]}; rc=\$?; \
+      && { '$PY' -m pytest -q ${TWO_WORKERS[*]} ${DURATIONS[*]} -m 'real_master or live_server' $marked ${ARGS[*]}; rc=\$?; \
            '$PY' -m replayer server stop >/dev/null; rm -rf \"\$PREFIX_REPLAYER_RUNTIME_DIR\"; exit \$rc; }"
   else
-    "$PY" -m pytest -q "${TWO_WORKERS[@]}" "${DURATIONS[@]}" -m "real_master or live_server" tests/ "${ARGS[@]}"
+    "$PY" -m pytest -q "${TWO_WORKERS[@]}" "${DURATIONS[@]}" -m "real_master or live_server" $marked "${ARGS[@]}"
   fi
 }
 
