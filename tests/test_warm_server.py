@@ -85,12 +85,13 @@ def test_start_says_where_it_listens_and_status_lists_the_warm_engine(server):
     assert "warm: vllm" in status and "(installed): pid" in status
 
 
-def test_warm_is_byte_identical_to_cold_whatever_the_shell_seed_and_after_50_replays(
+def test_warm_is_byte_identical_to_cold_whatever_the_shell_seed_and_after_every_scenario(
         server, tmp_path, monkeypatch):
     cold = _json(None, RESEND, tmp_path, "cold", "123")
     warm = _json(server, RESEND, tmp_path, "warm", "7")
     assert warm == cold
-    # 50 replays of other fixtures, on two engines, in the same server ...
+    # Every scenario once (a repeat replays the same fork of the same engine: it
+    # showed nothing more), and five on a second engine, in the same server ...
     from traces import load_target
 
     from replayer.replay.engines import UnsupportedByEngine
@@ -103,8 +104,7 @@ def test_warm_is_byte_identical_to_cold_whatever_the_shell_seed_and_after_50_rep
     try:
         client = make_client("installed", own_process=True)
         assert type(client).__name__ == "WarmClient"
-        batch = (others * 3)[:45]
-        assert len(client.replay_many(batch)) == 45
+        assert len(client.replay_many(others)) == len(others) >= 20
         old = make_client("vllm==0.29.0", own_process=True)
         done = 0
         for trace in others:
@@ -116,7 +116,7 @@ def test_warm_is_byte_identical_to_cold_whatever_the_shell_seed_and_after_50_rep
             except UnsupportedByEngine:
                 continue
         assert done == 5
-        assert client.warm_replays == 45 and client.cold_replays == 0
+        assert client.warm_replays == len(others) and client.cold_replays == 0
     finally:
         monkeypatch.undo()
     # ... and the same fixture again, from a third seed: still identical.
