@@ -110,7 +110,12 @@ def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
 
 def build_vllm_config(engine: EngineBlock, kv_events: bool = False) -> VllmConfig:
     """The shared config, plus 0.33's lookahead-hash flag and the store connector."""
-    kv_transfer = kv_transfer_config(engine) if engine.connector else None
+    if engine.connector == "offloading":
+        from replayer.replay.engines.connector import offloading_0_33
+
+        kv_transfer = offloading_0_33.kv_transfer_config(engine)
+    else:
+        kv_transfer = kv_transfer_config(engine) if engine.connector else None
     spec = engine.speculative
     lookahead = None if spec is None else {
         "disable_lookahead_block_hashes": spec.disable_lookahead_block_hashes}

@@ -53,5 +53,7 @@ class EnginePool:
 
 
 def connector(trace: Any) -> Any:
-    """The trace's KV connector (``mooncake_store``), or None."""
-    return trace.engine.connector
+    """The trace's KV connector when it runs over a store backend (``--store``:
+    ``mooncake_store``), or None; ``offloading`` keeps its blocks in vLLM's own
+    CPU tier, so no master is started or waited for on its behalf."""
+    return trace.engine.connector if trace.engine.connector == "mooncake_store" else None

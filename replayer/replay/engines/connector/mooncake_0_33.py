@@ -140,7 +140,11 @@ class StoreConnectorEngine(CoreEngine):
         self.boundaries: dict[str, tuple[int, str]] = {}
         # Request id -> how many of its block hashes are in ``boundaries``.
         self._named: dict[str, int] = {}
-        if engine.connector:
+        if engine.connector == "offloading":      # vLLM's CPU offload: its own session
+            from replayer.replay.engines.connector.offloading_0_33 import OffloadSession
+
+            self.session = OffloadSession(engine, store)
+        elif engine.connector:
             self.session = StoreSession(with_segment(store or StoreSpec("memory"), engine))
         try:
             super().__init__(config, layer_specs, version, executor_cls=executor_cls)
@@ -242,7 +246,7 @@ class StoreConnectorEngine(CoreEngine):
                     "; this master never evicts (Mooncake evicts on wall-clock leases, "
                     "which a replay does not repeat)" if self.session.spec.kind == "mooncake"
                     else ""))
-        return {"backend": self.session.spec.kind, "rows": list(ops.rows),
+        return {"backend": self.session.backend, "rows": list(ops.rows),
                 "lookups": list(ops.lookups), "faults": faults,
                 "gets_checked": ops.gets_checked, "gets_corrupted": ops.gets_corrupted,
                 "seconds": sum(r.recorder.seconds for r in self.session.ranks)}

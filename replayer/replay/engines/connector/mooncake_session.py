@@ -146,6 +146,11 @@ class StoreSession:
             self._env_before.setdefault(k, os.environ.get(k))
             os.environ[k] = v
 
+    @property
+    def backend(self) -> str:
+        """The store's kind, as ``--json`` names it: memory or mooncake."""
+        return self.spec.kind
+
     # rank 0: what the scheduler's lookup and the events talk to
     @property
     def worker(self) -> Any:
