@@ -58,6 +58,33 @@ def test_0290_checks_the_pair_against_its_own_goldens_and_says_each_note_once():
                     "layer (it is 0.33's)"]
 
 
+# 0.26-0.28 (the 0.29 adapter's range extended down): 0.28.0 on the four fixtures
+# the 0.29.0 test checks, 0.26.0 and 0.27.1 on the pair's 24577 side alone (each
+# release costs an engine process; their goldens for the four are all filed).
+OLDER = {"0.28.0": (*PAIR, "pmu_below_block_no_drop", "eagle_draft_group"),
+         "0.27.1": ("vllm51295_turn1_24577",),
+         "0.26.0": ("vllm51295_turn1_24577",)}
+
+
+@pytest.mark.parametrize("version", OLDER)
+def test_releases_before_0290_check_against_their_own_goldens(version):
+    """0.26-0.28 miss #51295's turn 2 as 0.29.0 does (23040 after 24576 tokens, 0
+    after 24577), through the 0.29 adapter; the retention interval they read from
+    VLLM_PREFIX_CACHE_RETENTION_INTERVAL is the trace's (0), not the dense default."""
+    goldens = {name: load_target(SCENARIOS / f"{name}.yaml").goldens for name in PAIR}
+    assert goldens["vllm51295_turn1_24576"][f"vllm=={version}"]["turn2"] == {
+        "num_cached_tokens": 23040}
+    assert goldens["vllm51295_turn1_24577"][f"vllm=={version}"]["turn2"] == {
+        "num_cached_tokens": 0}
+    targets = [f"fixtures/scenarios/{name}.yaml" for name in OLDER[version]]
+    proc = cli("check", "--engine", f"vllm=={version}", *targets,
+               env={"VLLM_PREFIX_CACHE_RETENTION_INTERVAL": "4096"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PASS ") == len(targets), proc.stdout
+    assert (f"PASS fixtures/scenarios/vllm51295_turn1_24577.yaml: 2 request(s) match the "
+            f"goldens for vllm=={version} (engine vllm=={version})") in proc.stdout
+
+
 def test_installed_and_release_0330_give_identical_output():
     """The same release from the wheel's sources replays exactly as the installed one."""
     from replayer.replay.execution.clients import engine_runner, replay_on

@@ -61,8 +61,12 @@ def check_in(spec: str, tmp_path: Path) -> dict:
 RECORDED_HERE = ("0.29.0", "0.32.0")
 
 
+# The replay runs 0.26-0.28 too; the recorder hooks from 0.29 on.
+RECORDED_RELEASES = tuple(v for v in KNOWN_RELEASES if v >= "0.29")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("version", [v for v in KNOWN_RELEASES
+@pytest.mark.parametrize("version", [v for v in RECORDED_RELEASES
                                      if v not in (*RECORDED_HERE, "0.33.0")])
 def test_every_hook_is_there_in_each_release_no_recording_test_runs(version, tmp_path):
     got = check_in(f"vllm=={version}", tmp_path)
@@ -118,7 +122,7 @@ def test_a_version_no_test_has_seen_records_with_one_warning(version, adapter, c
                      "and commit)"]
 
 
-@pytest.mark.parametrize("version", [*KNOWN_RELEASES, "0.32.0+cpu"])
+@pytest.mark.parametrize("version", [*RECORDED_RELEASES, "0.32.0+cpu"])
 def test_a_tested_release_records_without_a_warning(version, caplog):
     releases._WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="vllm.prefix_replayer"):
@@ -138,8 +142,8 @@ def test_a_version_the_recorder_cannot_serve_is_refused_in_one_line(version, why
                                "without recording")
 
 
-def test_the_tested_releases_are_the_ones_the_replay_runs():
-    assert releases.TESTED_RELEASES == KNOWN_RELEASES
+def test_the_tested_releases_are_the_ones_the_replay_runs_from_0_29():
+    assert releases.TESTED_RELEASES == RECORDED_RELEASES
 
 
 @pytest.mark.slow

@@ -18,8 +18,13 @@ import pytest
 import yaml
 
 from conftest import REPO, SCENARIOS, cli, cli_here
-from replayer.replay.engines.engine_config import SETTINGS, Lacking, Named
-from replayer.replay.engines.settings_table import config_fields, release_mapping, table
+from replayer.replay.engines.engine_config import SETTINGS, Env, Lacking, Named
+from replayer.replay.engines.settings_table import (
+    config_fields,
+    env_defaults,
+    release_mapping,
+    table,
+)
 from replayer.replay.engines.sources.releases import KNOWN_RELEASES, release_sources
 
 JUNCTION = SCENARIOS / "shared_system_prompt_hybrid.yaml"
@@ -44,6 +49,12 @@ def test_every_name_is_that_releases_and_every_lacking_one_is_absent(version):
     for key, entry in mapping.items():
         if isinstance(entry, Named):
             assert entry.name in fields[entry.config], (version, key)
+        elif isinstance(entry, Env):
+            # read from the environment where the newest release has a config field
+            newest = SETTINGS[key]
+            assert isinstance(newest, Named)
+            assert entry.name in env_defaults(release_sources(version)), (version, key)
+            assert newest.name not in fields[newest.config], (version, key)
         else:
             newest = SETTINGS[key]
             assert isinstance(entry, Lacking) and isinstance(newest, Named)

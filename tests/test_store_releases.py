@@ -16,11 +16,15 @@ import json
 import pytest
 
 from conftest import STORE_SCENARIOS, cli
+from replayer.replay.engines import STORE_ADAPTERS, release_prefix
 from replayer.replay.engines.sources.releases import KNOWN_RELEASES, release_sources
 
 pytestmark = pytest.mark.slow       # each engine process costs ~10 s of vLLM imports
 
 STORE_DIR = "distributed/kv_transfer/kv_connector/v1/mooncake/store"
+# The releases a store adapter serves (0.26-0.28's lookup answers a bare hit
+# count: refused, test_a_release_no_store_adapter_serves_is_refused_in_one_line).
+SERVED = tuple(v for v in KNOWN_RELEASES if release_prefix(v, STORE_ADAPTERS))
 JUNCTION = STORE_SCENARIOS / "shared_prefix_junction.yaml"
 
 
@@ -37,7 +41,7 @@ def test_what_the_store_seams_touch_is_the_same_in_every_release():
     ref_worker = (ref / "worker.py").read_text()
     ref_client = _class_source(ref_worker, "LookupKeyClient")
     assert "def lookup(" in ref_client and "def reset(" in ref_client
-    for version in KNOWN_RELEASES:
+    for version in SERVED:
         src = release_sources(version) / STORE_DIR
         worker = (src / "worker.py").read_text()
         assert _class_source(worker, "LookupKeyClient") == ref_client, version
@@ -48,6 +52,22 @@ def test_what_the_store_seams_touch_is_the_same_in_every_release():
                      "self.kv_send_thread = KVCacheStoreSendingThread("):
             assert line in worker, (version, line)
         assert 'f"@group:{key_metadata.group_id}"' in (src / "data.py").read_text(), version
+
+
+def test_a_release_no_store_adapter_serves_is_refused_in_one_line():
+    """0.26-0.28's lookup client returns a bare hit count (0.29 on: a lookup result
+    with tail-key boundaries), so the store adapter's seam does not fit: refused
+    before any replay, naming the release."""
+    for version in (v for v in KNOWN_RELEASES if v not in SERVED):
+        worker = (release_sources(version) / STORE_DIR / "worker.py").read_text()
+        assert "return int.from_bytes(resp, \"big\")" in _class_source(
+            worker, "LookupKeyClient"), version
+    proc = cli("run", JUNCTION, "--engine", "vllm==0.28.0")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "replayer: error: vllm 0.28.0 (release): connector replay (mooncake_store) is not "
+        "supported on vLLM 0.28.0 yet (its MooncakeStore API differs; replayed on 0.29.x, "
+        "0.30.x, 0.31.x, 0.32.x, 0.33.x)"]
 
 
 def test_diff_names_the_keys_that_moved_when_the_outcomes_agree(tmp_path):

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 # release prefix -> adapter module (consecutive prefixes of one module form a range)
 ADAPTERS: dict[str, str] = {
+    "0.26": "replayer.replay.engines.vllm_0_29",
+    "0.27": "replayer.replay.engines.vllm_0_29",
+    "0.28": "replayer.replay.engines.vllm_0_29",
     "0.29": "replayer.replay.engines.vllm_0_29",
     "0.30": "replayer.replay.engines.vllm_0_29",
     "0.31": "replayer.replay.engines.vllm_0_29",

@@ -108,7 +108,9 @@ class NullExecutor(Executor):
         handler = getattr(self, f"_rpc_{name}", None)
         if handler is None:
             raise NotImplementedError(f"null executor: no worker call {name!r}")
-        result = [handler(*args, **(kwargs or {}))]
+        answer = handler(*args, **(kwargs or {}))
+        # No worker compiles: no compile times to report (vLLM takes max() of them).
+        result = [] if name == "compile_or_warm_up_model" else [answer]
         return _done(result) if non_block else result
 
     def _rpc_get_kv_cache_spec(self) -> dict[str, Any]:
@@ -128,6 +130,12 @@ class NullExecutor(Executor):
         self.kv_cache_configs = kv_cache_configs
 
     def _rpc_get_kv_connector_handshake_metadata(self) -> None:
+        return None
+
+    def _rpc_compile_or_warm_up_model(self) -> None:
+        # 0.26's Executor.initialize_from_config asks the workers for their
+        # compile times itself (later releases leave it to EngineCore, which
+        # calls compile_or_warm_up_model below); collective_rpc answers none.
         return None
 
     def compile_or_warm_up_model(self) -> None:

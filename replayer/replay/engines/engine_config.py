@@ -108,7 +108,17 @@ class Lacking:
     why: str
 
 
-Mapping = dict[str, "Named | Lacking"]
+@dataclass(frozen=True)
+class Env:
+    """A scenario setting a release reads from an environment variable, not a
+    config field (0.26-0.28 read the retention interval from
+    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``): the adapter sets it in the
+    engine's process while vLLM builds the engine (:func:`release_environment`)."""
+
+    name: str
+
+
+Mapping = dict[str, "Named | Lacking | Env"]
 
 # Every engine setting of the scenario format that vLLM reads, by the newest
 # release's name (the key is the scenario's; speculative.* reach into the
@@ -208,6 +218,19 @@ def _set(engine: EngineBlock, keys: tuple[str, ...], settings: Mapping) -> dict[
         entry = settings[k]
         if v is not None and isinstance(entry, Named):
             out[entry.name] = None if v == RETAIN_DENSE else v
+    return out
+
+
+def release_environment(engine: EngineBlock, settings: Mapping) -> dict[str, str | None]:
+    """The environment variables a release reads settings from (:class:`Env`
+    entries), each the trace's value or None (unset: the release's own default,
+    whatever the caller's environment holds); a given dense retention is unset too."""
+    out: dict[str, str | None] = {}
+    for key, entry in settings.items():
+        if isinstance(entry, Env):
+            given, value = given_value(engine, key)
+            out[entry.name] = None if not given or value is None or value == RETAIN_DENSE \
+                else str(value)
     return out
 
 

@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 
 from replayer.replay.engines import adapter_module_for
-from replayer.replay.engines.engine_config import SETTINGS, Lacking, Mapping, Named
+from replayer.replay.engines.engine_config import SETTINGS, Env, Lacking, Mapping, Named
 from replayer.replay.engines.sources.releases import KNOWN_RELEASES, release_sources
 
 
@@ -37,6 +37,19 @@ def config_fields(package: Path) -> dict[str, dict[str, str]]:
         for node in body:
             if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
                 out.setdefault(node.name, {}).update(_fields(node, constants))
+    return out
+
+
+@cache
+def env_defaults(package: Path) -> dict[str, str]:
+    """Environment variable -> its default as ``package/envs.py`` declares it
+    (the annotated names under ``if TYPE_CHECKING:``)."""
+    out: dict[str, str] = {}
+    for node in ast.parse((package / "envs.py").read_text()).body:
+        body = node.body if isinstance(node, ast.If) else [node]
+        for st in body:
+            if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+                out[st.target.id] = _default(st.value)
     return out
 
 
@@ -64,10 +77,16 @@ def _default(value: ast.expr | None) -> str:
     return ast.unparse(value)
 
 
-def cell(entry: Named | Lacking, package: Path) -> str:
-    """One table cell: ``Class.name = default``, or what a lacking release does."""
+def cell(entry: Named | Lacking | Env, package: Path) -> str:
+    """One table cell: ``Class.name = default``, an environment variable and its
+    default, or what a lacking release does."""
     if isinstance(entry, Lacking):
         return f"none: runs as `{_yaml(entry.behaves_as)}`"
+    if isinstance(entry, Env):
+        defaults = env_defaults(package)
+        if entry.name not in defaults:
+            raise LookupError(f"{package}: {entry.name} is not in its envs.py")
+        return f"env `{entry.name}` = `{defaults[entry.name]}`"
     fields = config_fields(package).get(entry.config, {})
     if entry.name not in fields:
         raise LookupError(f"{package}: {entry.config}.{entry.name} is not a field there")

@@ -1,12 +1,25 @@
-"""Adapter for vLLM 0.29.x to 0.32.x: the real EngineCore over a null model.
+"""Adapter for vLLM 0.26.x to 0.32.x: the real EngineCore over a null model.
 
 These releases run EngineCore, the Executor base and the output dataclasses
 exactly as the replay uses them in 0.33, so the driver is the shared
-:mod:`.core_driver` (the real ``EngineCore`` works on all four; no release
+:mod:`.core_driver` (the real ``EngineCore`` works on all seven; no release
 needs the scheduler assembled by hand). What differs from 0.33, found by
 reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
 ``v1/executor/abstract.py``, ``v1/kv_cache_interface.py`` and
 ``config/*.py``, is all here:
+
+* **0.26-0.28 read the retention interval from the environment**
+  (``VLLM_PREFIX_CACHE_RETENTION_INTERVAL``, read by the KV-cache coordinator
+  when the scheduler is built; unset means dense, where 0.29's
+  ``CacheConfig.prefix_cache_retention_interval`` defaults to 0): the trace's
+  value is set there while the engine is built (:func:`_release_environment`),
+  and unset when the trace leaves it out, whatever the caller's environment says.
+* **0.26-0.28 have no FlashKDA prefill checkpoints** on ``MambaSpec``: a
+  trace naming ``kda_prefill_backend`` is refused there.
+* **0.26-0.28's MooncakeStore lookup answers a bare hit count** (no tail-key
+  boundaries: ``protocol.py`` and ``LookupKeyClient`` differ from 0.29's), so
+  no store adapter serves them and a connector trace is refused in one line
+  (``check_connector``).
 
 * **KV-cache specs have no ``is_draft``** (0.33 added it). Nothing can mark the
   draft model's layers, so vLLM flags every KV-cache group as an EAGLE group
@@ -52,7 +65,9 @@ after 24577); 0.30.0 and later hit 24448.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from vllm.config import VllmConfig
@@ -70,6 +85,7 @@ from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.core_driver import CoreEngine, NullExecutor
 from replayer.replay.engines.engine_config import (
     SETTINGS,
+    Env,
     LayerPlan,
     Lacking,
     Mapping,
@@ -79,10 +95,11 @@ from replayer.replay.engines.engine_config import (
     given_value,
     plan_layers,
     refuse_dropped,
+    release_environment,
 )
 from traces.model.engine_spec import EngineBlock
 
-VERSIONS = ("0.29", "0.30", "0.31", "0.32")    # release range this adapter serves
+VERSIONS = ("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32")  # the range served
 DTYPE = torch.float16
 
 NO_LOOKAHEAD = Lacking(True, "no lookahead block hashes: with EAGLE the trailing block is "
@@ -90,10 +107,18 @@ NO_LOOKAHEAD = Lacking(True, "no lookahead block hashes: with EAGLE the trailing
 # Each release's own spelling of the settings it has under another name, and
 # the ones it lacks (read from each wheel's vllm/config/*.py; tests/
 # test_settings_per_release.py checks every name against those sources).
+NO_SHARED_PREFIX_CHECKPOINT = Lacking(
+    False, "no Mamba checkpoint at a shared-prefix junction; the flag came in 0.30 as "
+           "enable_mamba_fine_grained_prefix_cache")
+RETENTION_FROM_ENV = Env("VLLM_PREFIX_CACHE_RETENTION_INTERVAL")
+BEFORE_0_29: Mapping = {"prefix_cache_retention_interval": RETENTION_FROM_ENV,
+                        "enable_mamba_shared_prefix_checkpoint": NO_SHARED_PREFIX_CHECKPOINT,
+                        "speculative.disable_lookahead_block_hashes": NO_LOOKAHEAD}
 RELEASE_SETTINGS: dict[str, Mapping] = {
-    "0.29": {"enable_mamba_shared_prefix_checkpoint": Lacking(
-                 False, "no Mamba checkpoint at a shared-prefix junction; the flag came in "
-                        "0.30 as enable_mamba_fine_grained_prefix_cache"),
+    "0.26": BEFORE_0_29,
+    "0.27": BEFORE_0_29,
+    "0.28": BEFORE_0_29,
+    "0.29": {"enable_mamba_shared_prefix_checkpoint": NO_SHARED_PREFIX_CHECKPOINT,
              "speculative.disable_lookahead_block_hashes": NO_LOOKAHEAD},
     "0.30": {"enable_mamba_shared_prefix_checkpoint": Named(
                  "CacheConfig", "enable_mamba_fine_grained_prefix_cache"),
@@ -112,6 +137,37 @@ def release_settings(version: str) -> Mapping:
     """Every scenario setting under release ``version``'s own name, or :class:`Lacking`."""
     major, minor = _minor(version)
     return {**SETTINGS, **RELEASE_SETTINGS[f"{major}.{minor}"]}
+
+
+@contextmanager
+def _release_environment(engine: EngineBlock, version: str) -> Iterator[None]:
+    """The settings release ``version`` reads from environment variables
+    (:class:`Env` entries: 0.26-0.28's retention interval), set while vLLM builds
+    the engine, then put back. vLLM may cache its environment (``envs.
+    enable_envs_cache``, which EngineCore turns on): that cache is cleared both ways."""
+    values = release_environment(engine, release_settings(version))
+    if not values:
+        yield
+        return
+    import vllm.envs as envs
+
+    saved = {name: os.environ.get(name) for name in values}
+
+    def put(pairs: dict[str, str | None]) -> None:
+        for name, value in pairs.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        clear = getattr(envs.__getattr__, "cache_clear", None)
+        if clear is not None:
+            clear()
+
+    put(values)
+    try:
+        yield
+    finally:
+        put(saved)
 
 
 def kv_spec(plan: LayerPlan, engine: EngineBlock) -> KVCacheSpec:
@@ -154,7 +210,8 @@ def kda_checkpoint_fields(engine: EngineBlock) -> dict[str, Any]:
     from dataclasses import fields
 
     flashkda = backend == "flashkda"
-    if "prefill_checkpoint_alignment" not in {f.name for f in fields(MambaSpec)}:
+    names = {f.name for f in fields(MambaSpec)}
+    if "prefill_checkpoint_alignment" not in names:
         return {"num_prefill_checkpoint_blocks": int(flashkda)}        # 0.29
     try:
         from vllm.model_executor.layers.mamba.kda_checkpoint import (
@@ -212,6 +269,10 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
                 worker: str = "null") -> CoreEngine:
     check_connector(version, engine.connector, f"vllm {version}")
     dropped = refuse_dropped(engine, release_settings(version), version)
+    if engine.kda_prefill_backend is not None and _minor(version) < (0, 29):
+        raise UnsupportedByEngine(f"vllm {version}: engine.kda_prefill_backend: this "
+                                  "release's MambaSpec has no prefill checkpoints (FlashKDA's "
+                                  "came in 0.29)")
     if engine.speculative and any(g.kind == "chunked_local" for g in engine.kv_groups):
         # No is_draft: every group is an EAGLE group, and vLLM's chunked-local
         # lookup asserts the drop never reaches it.
@@ -223,15 +284,13 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
     if engine.connector:
         executor = store_adapter(version, engine.connector, f"vllm {version}").StoreAwareExecutor
     if worker == "model":
-        # vLLM's own executor, worker and model runner (replayer.replay.engines.worker).
-        from replayer.replay.engines.worker.executor import ModelExecutor, model_core
+        # vLLM's own executor, worker and model runner (replayer.replay.engines.worker):
+        # one rank in this process, or one process per rank at TP N; with a
+        # connector, the store's seams around the one vLLM's worker creates.
+        from replayer.replay.engines.worker.executor import model_core
+        from replayer.replay.engines.worker.ranks import executor_class
 
-        executor = ModelExecutor
-        if engine.connector:
-            # The connector vLLM's worker creates, with the store seams around it.
-            from replayer.replay.engines.worker.store import StoreModelExecutor
-
-            executor = StoreModelExecutor
+        executor = executor_class(engine)
 
     def core_for(config: VllmConfig) -> CoreEngine:
         if engine.connector:
@@ -241,16 +300,17 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
                                 executor_cls=executor)
         return CoreEngine(config, layer_specs(engine), version, executor_cls=executor)
 
-    if worker == "model":
-        core = model_core(
-            engine, version,
-            lambda args: build_vllm_config(engine, version, executor, kv_events, worker=args),
-            core_for, recorder)
-    else:
-        config = build_vllm_config(engine, version, executor, kv_events)
-        if recorder is not None:            # the caller's hooks (see replay.engines.open_engine)
-            recorder(config, version, bool(engine.connector))
-        core = core_for(config)
+    with _release_environment(engine, version):
+        if worker == "model":
+            core = model_core(
+                engine, version,
+                lambda args: build_vllm_config(engine, version, executor, kv_events, worker=args),
+                core_for, recorder)
+        else:
+            config = build_vllm_config(engine, version, executor, kv_events)
+            if recorder is not None:        # the caller's hooks (see replay.engines.open_engine)
+                recorder(config, version, bool(engine.connector))
+            core = core_for(config)
     core.notes = missing_settings(engine, version, dropped)
     core.dropped = tuple(dropped)
     return core
