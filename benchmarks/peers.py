@@ -19,9 +19,10 @@ peak RSS): aisimulate's ``predict --capture-per-request`` and this project's
 timed apart). Then every request's hit is compared (theirs
 ``first_admission_reused_input_tokens``, set once like vLLM's
 ``num_cached_tokens``), and each request whose hit differs is put in one
-category (:func:`why_differs`), judged on the step clock: theirs counts
-milliseconds (``decode_ms`` 20 a step with a decode, ``prefill_ms`` 0), this
-project counts engine steps of ``step_ms`` 20.
+category (:func:`why_differs`), judged on each side's wait from arrival to
+first admission: their clock counts milliseconds (``decode_ms`` 20 a step with
+a decode, ``prefill_ms`` 0, from the first arrival), this project's counts
+engine steps of ``step_ms`` 20 (every step, from the trace's zero).
 
     python benchmarks/peers.py                        # both traces, once each
     python benchmarks/peers.py --limit 1000 --requests 500   # a quick look
@@ -196,29 +197,40 @@ def run_ours(trace: Path, work: Path, limit: int | None) -> tuple[dict, dict, di
 # -- comparing -------------------------------------------------------------
 
 CATEGORIES = {
-    "admitted-later-there": "admitted in a later step there than here: their clock "
-                            "(a prefill-only step costs 0 ms) put other requests' blocks "
-                            "in the cache or out of it",
-    "admitted-later-here": "admitted in a later step here than there (our step clock: every "
-                           "step costs step_ms, prefill-only ones included)",
-    "same-step-shorter-there": "admitted in the same step, their hit shorter: the cache's "
-                               "contents differ (eviction order, blocks not yet cached)",
-    "same-step-longer-there": "admitted in the same step, their hit longer: the cache's "
-                              "contents differ (eviction order, blocks not yet cached)",
+    "waited-longer-there": "admitted more than a step later after its arrival there than "
+                           "here: their clock (a prefill-only step costs 0 ms, a step with a "
+                           "decode STEP_MS) let other requests' blocks in or out first",
+    "waited-longer-here": "admitted more than a step later after its arrival here than there "
+                          "(this project's step clock: every step costs step_ms, "
+                          "prefill-only ones included)",
+    "same-wait-shorter-there": "admitted as soon after its arrival on both (within a step), "
+                               "their hit shorter: the caches' contents differ (eviction "
+                               "order, blocks not yet cached)",
+    "same-wait-longer-there": "admitted as soon after its arrival on both (within a step), "
+                              "their hit longer: the caches' contents differ (eviction order, "
+                              "blocks not yet cached)",
     "missing-there": "no hit reported there (not completed)",
 }
+
+
+def waits(ours: dict, theirs: dict) -> tuple[int, float]:
+    """Steps from arrival to the first prefill, here and there. Their clock counts
+    milliseconds from the first arrival, ours steps from the trace's zero, so only
+    the waits compare."""
+    return (ours["prefill_step"] - ours["arrival_step"],
+            (theirs["admit_ms"] - theirs["arrival_ms"]) / STEP_MS)
 
 
 def why_differs(ours: dict, theirs: dict) -> str:
     """One category for a request whose hit differs (see CATEGORIES)."""
     if theirs.get("hit") is None or theirs.get("admit_ms") is None:
         return "missing-there"
-    their_step = int(theirs["admit_ms"]) // STEP_MS
-    if their_step > ours["prefill_step"]:
-        return "admitted-later-there"
-    if their_step < ours["prefill_step"]:
-        return "admitted-later-here"
-    return "same-step-shorter-there" if theirs["hit"] < ours["hit"] else "same-step-longer-there"
+    here, there = waits(ours, theirs)
+    if there > here + 1:
+        return "waited-longer-there"
+    if here > there + 1:
+        return "waited-longer-here"
+    return "same-wait-shorter-there" if theirs["hit"] < ours["hit"] else "same-wait-longer-there"
 
 
 def compare(ours: dict[int, dict], theirs: dict[int, dict]) -> dict:
@@ -237,8 +249,8 @@ def compare(ours: dict[int, dict], theirs: dict[int, dict]) -> dict:
         cats[cat] += 1
         tokens += abs((t.get("hit") or 0) - (o["hit"] or 0))
         if len(examples.setdefault(cat, [])) < 3:
-            examples[cat].append((i, o["hit"], t.get("hit"), o["prefill_step"],
-                                  None if t.get("admit_ms") is None else t["admit_ms"] / STEP_MS))
+            examples[cat].append((i, o["hit"], t.get("hit"))
+                                 + (waits(o, t) if t.get("admit_ms") is not None else (None,)*2))
     return {"requests": len(ours), "same": same, "categories": cats, "examples": examples,
             "tokens_apart": tokens,
             "ours_cached": sum(o["hit"] or 0 for o in ours.values()),
@@ -285,8 +297,8 @@ def print_row(row: dict) -> None:
           f"{c['same']:>6} {c['same'] / c['requests']:>7.2%} "
           f"{c['theirs_cached'] / max(1, c['ours_cached']):>8.4f}", flush=True)
     for cat, k in sorted(c["categories"].items(), key=lambda kv: -kv[1]):
-        ex = "; ".join(f"#{i} here {h} at step {s}, there {th} at step {ts}"
-                       for i, h, th, s, ts in c["examples"][cat])
+        ex = "; ".join(f"#{i} here {h} after {wh} steps, there {th} after {wt} steps"
+                       for i, h, th, wh, wt in c["examples"][cat])
         print(f"    {k:>6} {cat}: {CATEGORIES[cat]} (e.g. {ex})", flush=True)
     print(f"    tokens apart in all: {c['tokens_apart']}; steps here {o['steps']}", flush=True)
 
