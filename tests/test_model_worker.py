@@ -143,6 +143,21 @@ def test_a_refused_fixture_is_one_line_and_exit_2(serve_venv):
     assert_bad_input(proc, "chunked_local", "tiny models here", "--worker null")
 
 
+@pytest.mark.parametrize("command", [
+    ("sweep", "--grid", "engine.max_num_seqs=4,8"),
+    ("shrink", "-o", "out.yaml", "--request", "doc_again", "--lost-by", "capacity"),
+], ids=["sweep", "shrink"])
+def test_sweep_and_shrink_take_the_model_worker_and_its_refusals(serve_venv, command, tmp_path):
+    """sweep and shrink replay on --worker model (through the warm server when one
+    runs); a geometry no tiny model takes is one line, exit 2, before any engine."""
+    name, *rest = command
+    extra = ["--engine", serve_venv]
+    proc = cli_here(name, FIXTURES / "scenarios" / "chunked_local_attention.yaml",
+                    *[str(tmp_path / a) if a == "out.yaml" else a for a in rest],
+                    *extra, "--worker", "model")
+    assert_bad_input(proc, "chunked_local", "tiny models here")
+
+
 def test_a_store_pool_sized_for_the_null_executors_blocks_is_refused():
     # 32 KB: 64 of the null executor's 256-byte blocks, 8 of the tiny Llama's.
     why = WHY_NOT[FIXTURES / "store" / "pressure_evicts_a_prefix_a_resend_needs.yaml"]
@@ -227,6 +242,41 @@ def test_seeded_weights_make_the_output_depend_on_the_context(workers, tmp_path)
     assert max(abs(x - y) for x, y in zip(lp["a"], lp["a_again"])) < 1e-3
     # One different token 1,000 tokens back moves them by far more.
     assert max(abs(x - y) for x, y in zip(lp["a"], lp["b"])) > 1e-3
+
+
+def test_a_warm_model_worker_replay_is_byte_identical_to_cold(workers, serve_venv,
+                                                              monkeypatch):
+    """The warm server serves the model worker: an engine parent in .venv-serve's
+    own interpreter, the model worker's modules imported (Triton's interpreter on),
+    one fork per replay, torch's threads set in the fork as a cold process has
+    them. Its result (hits, schedule, every output token's logprob) is the cold
+    engine process's, byte for byte, twice: a hybrid with EAGLE, whose Mamba-copy
+    kernels run under Triton's interpreter in the fork."""
+    import shutil
+    import tempfile
+
+    from replayer.check.output import dumps
+    from replayer.replay.execution.clients import make_client
+
+    trace = load_target(FIXTURES / "scenarios" / "gdn_eagle_checkpoint_resume.yaml")
+    cold = dumps(workers["model"](trace))
+    root = tempfile.mkdtemp(prefix="rp-", dir="/tmp")        # a server of this test's own
+    env = {"PREFIX_REPLAYER_RUNTIME_DIR": root, "PREFIX_REPLAYER_NO_SERVER": ""}
+    monkeypatch.setenv("PREFIX_REPLAYER_RUNTIME_DIR", root)
+    monkeypatch.delenv("PREFIX_REPLAYER_NO_SERVER", raising=False)
+    assert cli("server", "start", "--lazy", env=env).returncode == 0
+    try:
+        client = make_client(parse_spec(str(serve_venv), "model"), own_process=True)
+        assert type(client).__name__ == "WarmClient"
+        warm = [dumps(client(trace)) for _ in range(2)]
+        assert (client.warm_replays, client.cold_replays) == (2, 0)
+        assert warm == [cold, cold]
+        status = cli("server", "status", env=env).stdout
+        assert "(environment " in status and "model worker): pid" in status, status
+        assert "replays served: 2" in status and "(0 failed)" in status, status
+    finally:
+        cli("server", "stop", env=env)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_block_16_runs_on_the_cpu_kernels_vec16_path(workers, tmp_path):

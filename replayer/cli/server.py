@@ -14,6 +14,10 @@ def add_parser(sub) -> None:
     srv.add_argument("--engine", action="append", metavar="SPEC",
                      help="start: warm this engine now (repeatable; default installed; "
                           "others start on their first replay)")
+    srv.add_argument("--worker", choices=("null", "model"), default=None,
+                     help="start: the worker of every --engine warmed now (default null; "
+                          "model: vLLM's own worker and model runner, e.g. with "
+                          "--engine .venv-serve)")
     srv.add_argument("--lazy", action="store_true",
                      help="start: warm no engine now (each starts on its first replay)")
     srv.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
@@ -29,7 +33,8 @@ def run(args) -> int:
     from replayer.replay.execution.warm import control
 
     if args.action != "start" and (args.engine or args.idle_timeout is not None or args.lazy
-                                   or args.replay_timeout or args.replay_memory):
+                                   or args.replay_timeout or args.replay_memory
+                                   or args.worker):
         return error(f"server {args.action} takes no options")
     if args.action == "start":
         from replayer.replay.execution.warm.protocol import DEFAULT_IDLE_TIMEOUT_S
@@ -40,9 +45,11 @@ def run(args) -> int:
             return error("--idle-timeout, --replay-timeout and --replay-memory must be positive")
         if args.lazy and args.engine:
             return error("server start: --lazy warms no engine; drop --engine")
+        if args.lazy and args.worker:
+            return error("server start: --lazy warms no engine; drop --worker")
         engines = [] if args.lazy else (args.engine or ["installed"])
         lines, code = control.start(engines, idle, args.replay_timeout,
-                                    args.replay_memory)
+                                    args.replay_memory, worker=args.worker or "null")
     elif args.action == "status":
         lines, code = control.status()
     else:

@@ -104,7 +104,7 @@ def runs_in_this_process(spec: Spec = INSTALLED) -> bool:
     """Whether :func:`make_client` would replay ``spec`` in this process (so the
     caller may hand it things that cannot cross processes: a streamed trace, a sink)."""
     engine = resolve(spec)
-    return engine.runs_here() and not (warm_server_running() and engine.worker == "null")
+    return engine.runs_here() and not warm_server_running()
 
 
 def make_client(spec: Spec = INSTALLED, *, own_process: bool = False,
@@ -118,9 +118,9 @@ def make_client(spec: Spec = INSTALLED, *, own_process: bool = False,
     pinned (callers whose own seed is random). ``env_defaults``: the engine
     process's environment where this one's is unset."""
     engine = resolve(spec)
-    # The warm server forks pre-imported null-executor engines; a model worker
-    # replays cold (its interpreter and kernels are set up per process).
-    if use_server is not False and engine.worker == "null" and warm_server_running():
+    # The warm server forks pre-imported engines, one parent per environment and
+    # worker (a model worker's with its kernels and tiny models' code imported).
+    if use_server is not False and warm_server_running():
         from replayer.replay.execution.warm.client import WarmClient
 
         return WarmClient(engine, env_defaults=env_defaults, cold=lambda: cold_client(

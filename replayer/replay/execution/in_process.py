@@ -58,6 +58,7 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
 
         if "triton" not in sys.modules:
             os.environ.update(interpreter_env())
+        _freeze_imported_heap(resolved)
     # Importing vLLM (first use) and building its engine allocate millions of
     # objects that all survive: fewer GC passes over them (.gc_tuning).
     _run_planted()
@@ -68,6 +69,26 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
         yield adapter
     finally:
         adapter.close()
+
+
+def _freeze_imported_heap(engine: ResolvedEngine) -> None:
+    """A model worker's build runs full ``gc.collect()`` passes of its own (vLLM's
+    memory profiler around the model's load, its heap freeze after the build), each
+    over every object vLLM's and torch's imports left (millions, all alive). With
+    those imported first and then frozen, as the warm server's engine parent does,
+    each pass walks only what the build made. When passes run changes, never what
+    reference counting frees, so no outcome can change. Once per process (a fork of
+    the warm server's parent, already frozen, does nothing)."""
+    import gc
+
+    if gc.get_freeze_count():
+        return
+    from replayer.replay.engines import adapter_module_for
+    from replayer.replay.engines.worker import executor  # noqa: F401 - vLLM's executor, runner
+
+    __import__(adapter_module_for(engine.info.vllm))
+    gc.collect()
+    gc.freeze()
 
 
 def replay_here(trace: Trace, spec: Spec = INSTALLED, *,

@@ -97,7 +97,7 @@ class WarmClient:
     def __call__(self, trace: Any, progress: Callable[[Any], None] | None = None,
                  store: Any = None, recorder: Any = None,
                  shortcuts: bool = True) -> Any:
-        check_supported(self.info.vllm, trace.engine, self.info.label)
+        check_supported(self.info.vllm, trace.engine, self.info.label, self.info.worker)
         job = Job(trace, store, recorder, shortcuts, progress is not None)
         if self._cold is None:
             try:

@@ -38,11 +38,11 @@ def _duration(seconds: float) -> str:
 
 
 def start(engines: list[str], idle_timeout: float, replay_timeout: float | None,
-          replay_memory_mb: int | None) -> tuple[list[str], int]:
-    from replayer.replay.engines.sources.specs import resolve
+          replay_memory_mb: int | None, worker: str = "null") -> tuple[list[str], int]:
+    from replayer.replay.engines.sources.specs import parse_spec, resolve
     from replayer.replay.execution.environment import engine_env_defaults
 
-    resolved = [resolve(e) for e in engines]        # a bad spec: one line, before starting
+    resolved = [resolve(parse_spec(e, worker)) for e in engines]    # bad: one line, first
     lines: list[str] = []
     pong = _ping()
     if pong is None:

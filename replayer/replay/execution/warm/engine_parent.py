@@ -84,6 +84,45 @@ requests:
 """,
 }
 
+# The model worker's (``--worker model``): a Llama at block 16 (the vec16 path)
+# with a store, and a gated-DeltaNet hybrid with EAGLE (the Mamba-copy kernels
+# under Triton's interpreter). Tiny prompts: the probe imports what such replays
+# import (a sliding window's Llama imports nothing more), in seconds.
+MODEL_WARM_UP_SCENARIOS = {
+    "hybrid_eagle.yaml": """
+engine:
+  block_size: 256
+  prefix_match_unit: 32
+  kv_groups: [{kind: full_attention}, {kind: mamba}]
+  speculative: {method: eagle, num_speculative_tokens: 1, disable_lookahead_block_hashes: true}
+  max_num_batched_tokens: 512
+  max_num_seqs: 4
+  num_gpu_blocks: 16
+requests:
+  - {id: a, prompt: [{stream: d, len: 300}], output_len: 2}
+  - {id: b, after: a, prompt: [{stream: d, len: 600}], output_len: 2}
+""",
+    "store.yaml": """
+engine:
+  block_size: 16
+  kv_groups: [{kind: full_attention}]
+  max_num_batched_tokens: 256
+  max_num_seqs: 4
+  num_gpu_blocks: 64
+  connector: mooncake_store
+requests:
+  - {id: a, prompt: [{stream: d, len: 100}], output_len: 2}
+  - {id: b, after: a, prompt: [{stream: d, len: 100}], output_len: 2}
+events:
+  - {after: a, action: reset_prefix_cache}
+""",
+}
+
+
+def warm_up_scenarios(engine: Any) -> dict[str, str]:
+    """The probe's scenarios for ``engine``'s worker."""
+    return MODEL_WARM_UP_SCENARIOS if engine.worker == "model" else WARM_UP_SCENARIOS
+
 
 def preload(engine: Any) -> dict[str, Any]:
     """Import what a replay on ``engine`` imports; freeze the heap; say what was done."""
@@ -108,8 +147,21 @@ def preload(engine: Any) -> dict[str, Any]:
     # sight, so no child walks (and copies) it.
     gc.collect()
     gc.freeze()
-    return {"pid": os.getpid(), "modules": len(sys.modules), "imported_after_probe": imported,
+    info = {"pid": os.getpid(), "modules": len(sys.modules), "imported_after_probe": imported,
             "seconds": round(time.perf_counter() - start, 2)}
+    if engine.worker == "model":
+        info["torch_threads"] = _cold_torch_threads()
+    return info
+
+
+def _cold_torch_threads() -> int:
+    """The intra-op threads a cold engine process starts with (OMP_NUM_THREADS, else
+    the cores it may run on): read, never set, in this parent, which runs no torch
+    op (a fork of a process whose OpenMP pool had started could hang in its first
+    parallel region); each fork sets it before its engine is built."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _modules_a_replay_imports(engine: Any) -> list[str]:
@@ -145,7 +197,7 @@ def _warm_up(engine: Any) -> None:
     from traces.scenarios.compile import compile_scenario
 
     with tempfile.TemporaryDirectory(prefix="replayer-warm-up-") as tmp:
-        for name, text in WARM_UP_SCENARIOS.items():
+        for name, text in warm_up_scenarios(engine).items():
             path = Path(tmp) / name
             path.write_text(text)
             try:
@@ -172,6 +224,7 @@ class Parent:
     engine: Any
     limits: dict[str, Any]
     max_parallel: int = field(default_factory=lambda: max(1, os.cpu_count() or 1))
+    torch_threads: int | None = None                # a model worker's (see _cold_torch_threads)
     waiting: deque = field(default_factory=deque)
     children: dict[int, Child] = field(default_factory=dict)
 
@@ -208,7 +261,8 @@ class Parent:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child_main(self.engine, request, conn_fd, err_fd, self.ctrl)   # never returns
+            _child_main(self.engine, request, conn_fd, err_fd, self.ctrl,   # never returns
+                        self.torch_threads)
         os.close(err_fd)
         conn = socket.socket(fileno=conn_fd)
         now = time.monotonic()
@@ -294,7 +348,7 @@ def private_bytes(pid: int) -> int | None:
 
 
 def _child_main(engine: Any, request: dict[str, Any], conn_fd: int, err_fd: int,
-                ctrl: socket.socket) -> None:
+                ctrl: socket.socket, threads: int | None = None) -> None:
     """One replay in a fresh fork; answers the client on its own connection."""
     code = 0
     try:
@@ -310,8 +364,10 @@ def _child_main(engine: Any, request: dict[str, Any], conn_fd: int, err_fd: int,
         # its own vLLM cache root (environment.engine_env). (vLLM runs
         # subprocesses, e.g. to inspect a model class; without the overlay they
         # would import the installed vLLM, not this release.)
-        own = {k: os.environ[k] for k in ("PYTHONPATH", "PYTHONHASHSEED", "VLLM_CACHE_ROOT")
-               if k in os.environ}
+        # A model worker's parent also runs Triton's interpreter (TRITON_INTERPRET,
+        # read again when the Mamba-copy kernels are wrapped in the fork).
+        own = {k: os.environ[k] for k in ("PYTHONPATH", "PYTHONHASHSEED", "VLLM_CACHE_ROOT",
+                                          "TRITON_INTERPRET") if k in os.environ}
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ.update(own)
@@ -324,6 +380,10 @@ def _child_main(engine: Any, request: dict[str, Any], conn_fd: int, err_fd: int,
         from replayer.replay.execution.in_process import replay_here
         from replayer.replay.execution.wire import answer_frames, recv, send
 
+        if threads:                                 # torch after a fork: as a cold process
+            import torch
+
+            torch._C.set_num_threads(threads)
         send(stream, ("ready", os.getpid()))
         job = recv(stream)
         if job is not None:
@@ -374,7 +434,12 @@ def main(ctrl_fd: int) -> int:
         ctrl.send(encode(("failed", f"{type(exc).__name__}: {exc}")))
         return 1
     ctrl.send(encode(("ready", info)))
-    code = Parent(ctrl, engine, limits).run()
+    parent = Parent(ctrl, engine, limits, torch_threads=info.get("torch_threads"))
+    if engine.worker == "model":
+        # A model replay's torch already runs on every core (its intra-op
+        # threads): two side by side would only take turns on them.
+        parent.max_parallel = 1
+    code = parent.run()
     # Its children are done and it holds nothing to save: leave without the
     # interpreter's teardown, which over vLLM's imports (torch's, jemalloc's
     # threads, thousands of modules) took seconds of every `server stop`.

