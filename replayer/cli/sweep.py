@@ -8,10 +8,12 @@ import sys
 from replayer.cli.common import (
     ENGINE_HELP,
     EXIT_OK,
+    check_worker,
     error,
     load_with_sets,
     no_server_opt,
     set_opt,
+    worker_opt,
     write_output,
 )
 from replayer.cli.segmented import segment_opts
@@ -31,6 +33,7 @@ def add_parser(sub) -> None:
                                                   "out ('-' for stdout)")
     sw.add_argument("--parquet", metavar="OUT", help="write the table as Parquet")
     sw.add_argument("--engine", default="installed", metavar="SPEC", help=ENGINE_HELP)
+    worker_opt(sw)
     sw.add_argument("--verbose", action="store_true", help="show vLLM's own log lines")
     no_server_opt(sw)
     set_opt(sw, allow_missing=False)
@@ -44,11 +47,15 @@ def run(args) -> int:
 
     from replayer.cli.segmented import check_segment_opts
 
-    parse_spec(args.engine)
+    spec = parse_spec(args.engine, args.worker)
+    # The model worker's spec travels as parsed (it names the worker); the null
+    # executor's as the text given, as before.
+    engine_spec = spec if args.worker == "model" else args.engine
     if args.jobs is not None and args.jobs < 1:
         return error("--jobs must be at least 1")
     keys, points = parse_grid(args.grid)
     trace = load_with_sets(args.target, args.set)     # bad input before any worker starts
+    check_worker(trace, spec, args.target)
     for p in points:
         from traces.scenarios.what_if import apply_sets
 
@@ -63,7 +70,7 @@ def run(args) -> int:
 
         warm_up_steps(args.warm_up, trace)    # a bad --warm-up is named before any replay
     reports: list = []
-    rows = run_sweep(args.target, points, engine_spec=args.engine, executor=executor,
+    rows = run_sweep(args.target, points, engine_spec=engine_spec, executor=executor,
                      workers=args.jobs, ray_address=address, base=args.set,
                      segments=args.segments, warm_up=args.warm_up, reports=reports)
     print(table_text(keys, rows))
