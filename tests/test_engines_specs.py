@@ -53,9 +53,9 @@ def test_release_with_another_operator():
 
 
 def test_release_outside_every_range_names_the_ranges():
-    line = assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm==0.28.0"),
-                            "engine 'vllm==0.28.0'", "no adapter for vLLM 0.28.0")
-    assert line.endswith("(supported release ranges: 0.29.x-0.32.x, 0.33.x)")
+    line = assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm==0.25.1"),
+                            "engine 'vllm==0.25.1'", "no adapter for vLLM 0.25.1")
+    assert line.endswith("(supported release ranges: 0.26.x-0.32.x, 0.33.x)")
 
 
 def test_unknown_word_is_neither_spec_nor_path():
@@ -79,7 +79,60 @@ def test_tree_whose_release_cannot_be_told(tmp_path):
 def test_tree_of_an_unsupported_release(tmp_path):
     tree = fake_tree(tmp_path / "t", version="0.20.1")
     assert_bad_input(cli_here("run", FIXTURE, "--engine", tree / "vllm"),
-                     "no adapter for vLLM 0.20.1", "0.29.x-0.32.x, 0.33.x")
+                     "no adapter for vLLM 0.20.1", "0.26.x-0.32.x, 0.33.x")
+
+
+# --- vllm@<commit>: a commit of the checkout PREFIX_REPLAYER_VLLM_CHECKOUT names --------
+
+
+def tagged_checkout(root: Path, tag: str) -> str:
+    """A fake vLLM checkout (no _version.py, as a git checkout has none) with one
+    commit tagged ``tag`` and one after it, as main is between releases; the
+    second commit's id."""
+    fake_tree(root, version=None)
+    init_repo(root)
+    git(root, "add", ".")
+    git(root, "commit", "-q", "-m", "release")
+    git(root, "tag", tag)
+    (root / "vllm" / "later.py").write_text("")
+    git(root, "add", ".")
+    git(root, "commit", "-q", "-m", "a commit of main after it")
+    return git(root, "rev-parse", "HEAD")
+
+
+def test_a_commit_takes_the_adapter_of_its_nearest_release(tmp_path, monkeypatch):
+    sha = tagged_checkout(tmp_path / "vllm-src", "v0.28.0")
+    monkeypatch.setenv("PREFIX_REPLAYER_VLLM_CHECKOUT", str(tmp_path / "vllm-src"))
+    spec = parse_spec(f"vllm@{sha[:10]}")
+    assert (spec.kind, spec.version, spec.commit) == ("commit", "0.28.0", sha)
+    assert spec.path == tmp_path / "vllm-src"
+    # Resolved: exported once into the cache, named as a tree at that commit.
+    monkeypatch.setenv("PREFIX_REPLAYER_CACHE", str(tmp_path / "cache"))
+    engine = resolve(spec)
+    assert engine.info.as_dict() == {"vllm": "0.28.0", "source": "tree",
+                                     "path": str(tmp_path / "vllm-src"), "commit": sha,
+                                     "dirty": False}
+    assert engine.sources == str(tmp_path / "cache" / "commits" / sha / "vllm")
+    assert (tmp_path / "cache" / "commits" / sha / "vllm" / "later.py").is_file()
+
+
+def test_a_commit_past_every_range_is_refused_in_one_line(tmp_path):
+    sha = tagged_checkout(tmp_path / "src", "v0.25.0")
+    env = {"PREFIX_REPLAYER_VLLM_CHECKOUT": str(tmp_path / "src")}
+    line = assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm@HEAD", env=env),
+                            "engine 'vllm@HEAD'", f"commit {sha[:12]} follows tag v0.25.0",
+                            "no adapter for vLLM 0.25.0")
+    assert line.endswith("(supported release ranges: 0.26.x-0.32.x, 0.33.x)")
+
+
+def test_a_commit_needs_the_checkout_and_the_commit_in_it(tmp_path):
+    env = {"PREFIX_REPLAYER_VLLM_CHECKOUT": ""}
+    assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm@abc123", env=env),
+                     "engine 'vllm@abc123'", "set PREFIX_REPLAYER_VLLM_CHECKOUT to its path")
+    tagged_checkout(tmp_path / "src", "v0.33.0")
+    env = {"PREFIX_REPLAYER_VLLM_CHECKOUT": str(tmp_path / "src")}
+    assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm@deadbeef", env=env),
+                     "no commit 'deadbeef' in", "fetch it there first")
 
 
 def test_release_with_an_unusable_cache(tmp_path):
@@ -218,12 +271,14 @@ def test_release_cache_starts_from_nothing(tmp_path, monkeypatch, capsys):
 
 def test_every_release_range_has_a_store_adapter_and_others_are_refused_plainly():
     """One store adapter serves 0.29-0.33 (its seams are the same there: see
-    tests/test_store_releases.py); a release no store adapter serves is refused
-    by name, before any vLLM import."""
+    tests/test_store_releases.py); a release no store adapter serves (0.26-0.28,
+    whose lookup answers a bare count) is refused by name, before any vLLM import."""
     from replayer.replay.engines import (ADAPTERS, STORE_ADAPTERS, UnsupportedByEngine,
                                   check_connector)
 
-    assert set(STORE_ADAPTERS) == set(ADAPTERS)
+    assert set(ADAPTERS) - set(STORE_ADAPTERS) == {"0.26", "0.27", "0.28"}
+    with pytest.raises(UnsupportedByEngine, match=r"^vllm 0.27.1: connector replay"):
+        check_connector("0.27.1", "mooncake_store", "vllm 0.27.1")
     for version in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.33.2"):
         check_connector(version, "mooncake_store", f"vllm {version}")
     check_connector("0.34.0", None, "vllm 0.34.0")           # no connector: nothing to serve

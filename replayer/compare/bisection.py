@@ -139,24 +139,9 @@ class CommitLine:
 
     def engine(self, commit: str):
         """The engine of one commit: its cached export, named by the commit."""
-        from replayer.replay.engines import adapter_module_for
-        from replayer.replay.engines.sources.specs import ResolvedEngine
-        from replayer.replay.engines.sources.trees import (
-            commit_sources,
-            commit_version,
-            package_dir,
-            tree_version,
-        )
+        from replayer.replay.engines.sources.specs import commit_engine
 
-        root = commit_sources(self.tree, commit)
-        package = package_dir(root, f"{self.tree}@{commit[:12]}")
-        version = tree_version(package) or commit_version(self.tree, commit)
-        if version is None:
-            raise EngineError(f"--tree {self.tree}: cannot tell which vLLM release commit "
-                              f"{commit[:12]} is (no vllm/_version.py and no v* git tag)")
-        adapter_module_for(version)
-        info = EngineInfo(version, "tree", path=str(self.tree), commit=commit, dirty=False)
-        return ResolvedEngine(f"{self.tree}@{commit}", info, str(package))
+        return commit_engine(self.tree, commit)
 
     def close(self) -> None:
         """Nothing to remove: the exports stay cached for the next bisect."""

