@@ -176,7 +176,7 @@ class _Timed:
 class CoreEngine(EngineAdapter):
     """The real EngineCore, driven one step at a time by the replay loop.
 
-    Every release it serves (0.29-0.33) publishes KV-cache events with their
+    Every release it serves (0.26-0.33) publishes KV-cache events with their
     group (``group_idx``), so it supports them.
 
     ``config`` must name ``executor_cls`` (:class:`NullExecutor` or a subclass)
