@@ -1,4 +1,5 @@
-"""Where segment workers run: this process, a local process pool, or a Ray cluster.
+"""Where segment workers run: this process, a local process pool, processes that
+import a release (or a source tree) of their own, or a Ray cluster.
 
 A host has a few slots (processes, or Ray actors), each running the calls sent
 to it one after another, in order: ``open`` a segment's worker from its part
