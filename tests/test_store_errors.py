@@ -46,6 +46,16 @@ def scenario(tmp_path: Path, engine_extra: str, tail: str = "") -> Path:
     (", connector: mooncake_store, connector_config: {load_sync: true}", "",
      "unknown key 'load_sync' in engine.connector_config"),
     (", connector_config: {load_async: true}", "", "engine.connector_config needs engine.connector"),
+    (", connector: mooncake_store, connector_config: {kv_role: kv_both_ways}", "",
+     "engine.connector_config.kv_role must be one of kv_producer, kv_consumer, kv_both, "
+     "got 'kv_both_ways'"),
+    (", prefill_instance: {connector_config: {kv_role: kv_producer}}", "",
+     "engine.prefill_instance needs engine.connector mooncake_store"),
+    (", connector: mooncake_store, prefill_instance: {kv_role: kv_producer}", "",
+     "unknown key 'kv_role' in engine.prefill_instance (known: connector_config)"),
+    (", connector: mooncake_store, prefill_instance: {connector_config: {kv_role: prefill}}",
+     "", "engine.prefill_instance.connector_config.kv_role must be one of kv_producer, "
+         "kv_consumer, kv_both, got 'prefill'"),
     ("", "expect_store: {lookups: {a: 0}}\n", "expect_store needs engine.connector"),
     (", connector: mooncake_store", "expect_store: {lookups: {b: 0}}\n",
      "expect_store.lookups names unknown request 'b'"),

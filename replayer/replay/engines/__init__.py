@@ -119,6 +119,10 @@ def check_supported(version: str, engine: EngineBlock, label: str,
     lacks (a connector no store adapter serves, a Mamba cache mode it removed),
     and, for the model worker, a geometry no tiny model here takes."""
     check_connector(version, engine.connector, label)
+    if engine.prefill_instance is not None and worker == "model":
+        raise UnsupportedByEngine(f"{label}: engine.prefill_instance (a prefill/decode pair) "
+                                  "replays on the null executor (--worker null); the model "
+                                  "worker builds one engine")
     if worker == "model":
         from replayer.replay.engines.worker.models import check_geometry
 
@@ -224,9 +228,18 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
                           f"{_first_line(exc)}") from exc
     try:
         extra = {} if spec.worker == "null" else {"worker": spec.worker}
-        adapter = module.open_engine(engine, version, store=store,
-                                     recorder=None if recorder is None else _refusing(recorder),
-                                     kv_events=kv_events, **extra)
+        if engine.prefill_instance is not None:     # a P/D pair: connector/pd_pair.py
+            from replayer.replay.engines.connector.pd_pair import open_pair
+
+            if recorder is not None:
+                raise UnsupportedByEngine(f"{info.label}: recording a replay of a "
+                                          "prefill/decode pair (engine.prefill_instance) is "
+                                          "not supported: a recording holds one engine")
+            adapter = open_pair(module.open_engine, engine, version, store, kv_events, **extra)
+        else:
+            adapter = module.open_engine(engine, version, store=store, recorder=None
+                                         if recorder is None else _refusing(recorder),
+                                         kv_events=kv_events, **extra)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         # vLLM validates geometry with ValueError/AssertionError (pydantic's too):
         # one line naming the engine field (replayer.replay.engines.config_errors).

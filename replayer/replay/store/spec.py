@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from traces.model import sizes
 
@@ -15,6 +16,9 @@ class StoreSpec:
     # Each rank's segment of the pool (Mooncake's global_segment_size), from
     # --store-capacity; None: the engine block's, else Mooncake's default.
     capacity_bytes: int | None = None
+    # A prefill/decode pair's decode instance: the store session of the prefill
+    # instance, whose store (memory or master) and operation log it shares.
+    peer: Any = field(default=None, compare=False, repr=False)
 
     def label(self) -> str:
         if self.kind == "memory":

@@ -72,9 +72,10 @@ class InProcessLookupClient:
         result = decode_lookup_response(encode_lookup_response(result))
         # rows: the store_ops rows this lookup made ([first, end)), so a miss can
         # be named by its group and boundary.
-        store.ops.lookups.append({"request": req_id, "num_tokens": num_tokens,
-                                  "hit_length": int(result.hit_length), "step": store.step,
-                                  "rows": [first, len(store.ops.rows)]})
+        if self.session.files_lookups:
+            store.ops.lookups.append({"request": req_id, "num_tokens": num_tokens,
+                                      "hit_length": int(result.hit_length), "step": store.step,
+                                      "rows": [first, len(store.ops.rows)]})
         return result
 
     def discard(self, req_id: str) -> None:
@@ -109,13 +110,21 @@ class StoreSession:
         self.keep_tmp = False
         self.master: MasterProcess | None = None
         self.ranks: list[WorkerRank] = []
-        self.ops = StoreOps()
+        # A pair's decode instance shares the prefill instance's store and log
+        # (StoreSpec.peer), and leaves the process's own connector to it.
+        self.peer: StoreSession | None = spec.peer
+        # Whether lookups are filed for the goldens (a pair's prefill instance's are not).
+        self.files_lookups = True
+        self.ops = StoreOps() if self.peer is None else self.peer.ops
         self._aggregator = None
-        self._memory: MemoryStore | None = None     # --store memory: one backend, all ranks
+        # --store memory: one backend, all ranks (and both instances of a pair)
+        self._memory: MemoryStore | None = None if self.peer is None else self.peer._memory
         self._pool_ranks = 1                        # clients mounting a segment (TP ranks)
         self._env_before: dict[str, str | None] = {}
         if spec.kind == "mooncake":
-            if spec.host is None:
+            if self.peer is not None:
+                address = self.peer.address
+            elif spec.host is None:
                 self.master = MasterProcess()
                 address = self.master.address
             else:
@@ -125,6 +134,7 @@ class StoreSession:
         else:
             address = "127.0.0.1:1"      # never contacted
             self.label = "memory"
+        self.address = address
         self._segment = spec.capacity_bytes or SEGMENT_BYTES
         config = {"metadata_server": "P2PHANDSHAKE", "master_server_address": address,
                   "protocol": "tcp", "device_name": "", "mode": "embedded",
@@ -188,7 +198,7 @@ class StoreSession:
             try:
                 with self.store_module(), start_up_log(log), \
                         as_rank(vllm_config, rank, tp, dcp):
-                    if rank == 0:
+                    if rank == 0 and self.peer is None:
                         ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
                         connector = get_kv_transfer_group()
                     else:
@@ -310,7 +320,7 @@ class StoreSession:
     def execute(self, scheduler_output, vllm_config: VllmConfig) -> KVConnectorOutput:
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
-        if len(self.ranks) == 1:
+        if len(self.ranks) == 1 and self.peer is None:
             with set_forward_context(None, vllm_config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(scheduler_output) as out:
                 pass                                       # the model's forward: nothing
@@ -319,6 +329,9 @@ class StoreSession:
         from vllm.v1.outputs import ModelRunnerOutput
 
         outputs = []
+        # The process's connector (a pair's prefill instance's, where this is its
+        # decode instance) answers vLLM's worker helpers again after the step.
+        process_own = kv_transfer_state._KV_CONNECTOR_AGENT
         try:
             for one in self.ranks:
                 own = _worker_copy(scheduler_output)
@@ -328,7 +341,9 @@ class StoreSession:
                     pass
                 outputs.append(ModelRunnerOutput.with_kv_conn_output_only(out))
         finally:
-            kv_transfer_state._KV_CONNECTOR_AGENT = self.ranks[0].connector
+            kv_transfer_state._KV_CONNECTOR_AGENT = process_own
+        if len(outputs) == 1:
+            return outputs[0].kv_connector_output
         return self._aggregator.aggregate(outputs, 0).kv_connector_output
 
     # -- scheduler side ---------------------------------------------------
@@ -348,13 +363,15 @@ class StoreSession:
     def close(self) -> None:
         from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
-        for one in self.ranks[1:]:           # rank 0's is the process's own
+        # rank 0's is the process's own, unless a peer's is (a pair's decode instance)
+        for one in self.ranks[1:] if self.peer is None else self.ranks:
             try:
                 one.connector.shutdown()
             except Exception:  # noqa: BLE001 - closing a dead master's client may fail
                 pass
         try:
-            ensure_kv_transfer_shutdown()
+            if self.peer is None:
+                ensure_kv_transfer_shutdown()
         except Exception:  # noqa: BLE001 - closing a dead master's client may fail
             pass
         if self.master is not None:
