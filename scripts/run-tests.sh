@@ -36,7 +36,7 @@ UNITS="tests/test_traces_*.py tests/test_cli_errors.py tests/test_cli_version.py
        tests/test_engines_specs.py tests/test_recorder_writer.py tests/test_store_memory.py
        tests/test_schedule.py tests/test_golden_update.py tests/test_layers.py"
 INSTALLED="tests/test_replay.py tests/test_anonymize.py tests/test_store_ops.py
-           tests/test_store_errors.py tests/test_store_real_master.py"
+           tests/test_store_errors.py tests/test_store_real_master.py tests/test_offloading.py"
 RECORDER="tests/test_recorder_roundtrip.py tests/test_recorder_kill.py"
 ENGINES="tests/test_engines_replay.py"
 # vLLM's own model runner (--worker model) in .venv-serve: a phase of its own,
