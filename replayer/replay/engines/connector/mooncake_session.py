@@ -121,6 +121,11 @@ class StoreSession:
         self._memory: MemoryStore | None = None if self.peer is None else self.peer._memory
         self._pool_ranks = 1                        # clients mounting a segment (TP ranks)
         self._env_before: dict[str, str | None] = {}
+        # Where the ranks run in processes of their own (the model worker at TP N,
+        # worker/ranks.py): files their waiting rows before a check, and says the
+        # ranks run at once.
+        self.gather: Any = None
+        self.concurrent_ranks = False
         if spec.kind == "mooncake":
             if self.peer is not None:
                 address = self.peer.address
@@ -309,6 +314,11 @@ class StoreSession:
         """From now on the next ``times`` ops ``op`` on matching keys return ``code``.
         A selector naming a rank this replay does not run is an error."""
         for _, _, _, rank in selectors:
+            if rank is None and self.concurrent_ranks and len(self.ranks) > 1:
+                raise StoreError(f"store {self.label}: store_fault on {op} names no rank, and "
+                                 f"the model worker's {len(self.ranks)} ranks run at once, "
+                                 "so which rank meets it first is not fixed; name a rank "
+                                 "(keys: [{..., rank: R}]) or replay with --worker null")
             if rank is not None and rank >= len(self.ranks):
                 raise StoreError(f"store {self.label}: store_fault on rank {rank}, but the "
                                  f"replay runs {len(self.ranks)} rank(s) "
@@ -354,6 +364,8 @@ class StoreSession:
         sched_side.client = InProcessLookupClient(self)
 
     def check(self) -> None:
+        if self.gather is not None:
+            self.gather()
         if self.ranks:
             failures = self.recorder.take_failures()
             if failures:

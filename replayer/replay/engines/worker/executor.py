@@ -75,7 +75,9 @@ def model_args(engine: EngineBlock, label: str) -> ModelArgs:
 
         interpret_kernels(label)
         pack_index_args()
-    return ModelArgs(models, int(free_memory() * MEMORY_SHARE))
+    # Per rank: at TP N each rank's worker checks its own share against free memory.
+    share = int(free_memory() * MEMORY_SHARE) // engine.tensor_parallel_size
+    return ModelArgs(models, share)
 
 
 def check_built(scheduler: Any, engine: EngineBlock, label: str) -> None:
@@ -94,6 +96,10 @@ def model_core(engine: EngineBlock, version: str, config_for: Callable[[ModelArg
     engine closed where they differ)."""
     label = f"vllm {version}"
     config = config_for(model_args(engine, label))
+    if engine.tensor_parallel_size > 1:
+        from replayer.replay.engines.worker.ranks import configure_ranks, rank_seams
+
+        configure_ranks(config, rank_seams(engine, label))
     if recorder is not None:
         recorder(config, version, bool(engine.connector))
     core = core_for(config)
@@ -103,6 +109,22 @@ def model_core(engine: EngineBlock, version: str, config_for: Callable[[ModelArg
         core.close()
         raise
     return core
+
+
+def refuse_oversized_cache(vllm_config: Any, kv_cache_configs: list[Any]) -> None:
+    """Refuse, before it is allocated, a KV cache (every rank's together) larger
+    than the budget :func:`model_args` gave, naming ``engine.num_gpu_blocks``."""
+    need = sum(t.size for c in kv_cache_configs for t in c.kv_cache_tensors)
+    per_rank = vllm_config.cache_config.kv_cache_memory_bytes
+    budget = per_rank * len(kv_cache_configs) if per_rank else free_memory()
+    if need > budget:
+        blocks = kv_cache_configs[0].num_blocks
+        ranks = "" if len(kv_cache_configs) == 1 else f" on each of {len(kv_cache_configs)} ranks"
+        raise EngineError(
+            f"engine.num_gpu_blocks: {blocks} blocks of this model's KV cache{ranks} need "
+            f"{need / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB this "
+            f"machine can give it ({int(MEMORY_SHARE * 100)}% of its free memory); "
+            "replay it with --worker null, or on a larger machine")
 
 
 class ModelExecutor(UniProcExecutor):
@@ -122,15 +144,7 @@ class ModelExecutor(UniProcExecutor):
         self.forced.install(self.runner)
 
     def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
-        need = sum(t.size for t in kv_cache_configs[0].kv_cache_tensors)
-        budget = self.vllm_config.cache_config.kv_cache_memory_bytes or free_memory()
-        if need > budget:
-            blocks = kv_cache_configs[0].num_blocks
-            raise EngineError(
-                f"engine.num_gpu_blocks: {blocks} blocks of this model's KV cache need "
-                f"{need / 2**30:.1f} GiB, more than the {budget / 2**30:.1f} GiB this "
-                f"machine can give it ({int(MEMORY_SHARE * 100)}% of its free memory); "
-                "replay it with --worker null, or on a larger machine")
+        refuse_oversized_cache(self.vllm_config, kv_cache_configs)
         super().initialize_from_config(kv_cache_configs)
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:

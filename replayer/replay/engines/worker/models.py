@@ -81,6 +81,15 @@ SLIDING_MAMBA_ON_CPU = (
     "per-chunk states mamba_mixer2.conv_ssm_forward indexes to checkpoint a prefix")
 
 
+# DCP splits a decode's context over ranks and merges their partial attentions by
+# each one's softmax LSE; vLLM asks the attention implementation for it.
+DCP_ON_CPU = (
+    "vLLM's CPU attention (v1/attention/backends/cpu_attn.py, CPUAttentionBackendImpl) "
+    "sets no can_return_lse_for_decode, so v1/worker/cp_utils.py "
+    "check_attention_cp_compatibility refuses DCP (it needs the softmax LSE of each "
+    "decode), and the CPU platform selects that backend for every non-MLA model")
+
+
 class NotOnThisWorker(UnsupportedByEngine):
     """The trace's geometry has no tiny model the CPU worker can run."""
 
@@ -107,11 +116,9 @@ def refusal(engine: EngineBlock) -> str | None:
     if engine.model == "kimi-k3" or engine.kda_prefill_backend is not None:
         return ("Kimi-K3's shape (engine.model, engine.kda_prefill_backend): "
                 "no tiny model here has KDA layers or FlashKDA's checkpoints")
-    if engine.tensor_parallel_size != 1 or engine.decode_context_parallel_size != 1:
-        return (f"tensor_parallel_size {engine.tensor_parallel_size} / "
-                f"decode_context_parallel_size "
-                f"{engine.decode_context_parallel_size}: the model worker runs "
-                "one rank in this process")
+    if engine.decode_context_parallel_size != 1:
+        return (f"decode_context_parallel_size {engine.decode_context_parallel_size}: "
+                + DCP_ON_CPU)
     other = sorted(set(kinds) - {"full_attention", "mamba", "sliding_window"})
     if other:
         return (f"KV-cache group kind {other[0]} (tiny models here have full "
@@ -169,6 +176,14 @@ def _attention_kv_heads(block: int) -> int:
     return heads
 
 
+def _null_kv_heads(tp: int) -> int:
+    """The null executor's model's KV heads at TP ``tp`` (tiny-llama's 1 up to TP 2,
+    tiny-llama-tp8's 8 above): vLLM's MooncakeStore worker stripes a group's puts
+    over ``tp // kv_heads`` ranks, so the tiny model must have as many for both
+    workers to write the same keys."""
+    return 8 if tp > 2 else 1
+
+
 def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
     """The target's ``config.json`` and dtype for a checked geometry."""
     layers = _target_layers(engine)
@@ -176,15 +191,19 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
     common = {"vocab_size": engine.vocab_size, "max_position_embeddings": max_pos,
               "rope_theta": 10000.0, "tie_word_embeddings": False,
               "num_hidden_layers": len(layers)}
+    tp = engine.tensor_parallel_size
     if "mamba" in layers:
-        kv = _attention_kv_heads(engine.kv_groups[0].block_size)
+        kv = max(_attention_kv_heads(engine.kv_groups[0].block_size), _null_kv_heads(tp))
+        # At TP N each rank holds its share of every head: N linear heads (one a rank,
+        # as at TP 1) and attention heads a multiple of N.
+        gdn = {**GDN_HEADS, "linear_num_key_heads": tp, "linear_num_value_heads": tp}
         cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
                "hidden_size": HYBRID_HIDDEN, "intermediate_size": 256,
                "layer_types": ["linear_attention" if k == "mamba" else "full_attention"
                                for k in layers],
                "full_attention_interval": 4,
-               "num_attention_heads": kv, "num_key_value_heads": kv,
-               "head_dim": ATTENTION_HEAD_DIM, **GDN_HEADS,
+               "num_attention_heads": max(kv, tp), "num_key_value_heads": kv,
+               "head_dim": ATTENTION_HEAD_DIM, **gdn,
                # vLLM's Qwen3-Next needs a sparse layer. Every expert is chosen for
                # every token: a top-k choice flips with the last bit of a float, and
                # a flipped expert moved the output by tenths of a nat between two
@@ -195,9 +214,11 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
                "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6,
                "torch_dtype": "bfloat16", **common}
         return cfg, "bfloat16"
+    kv = _null_kv_heads(tp)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-           "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-5,
+           "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": max(2, kv), "num_key_value_heads": kv, "head_dim": 32,
+           "rms_norm_eps": 1e-5,
            "torch_dtype": "float32", **common}
     if "sliding_window" in layers:
         cfg["layer_types"] = ["sliding_attention" if k == "sliding_window" else
@@ -248,13 +269,14 @@ def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
     The target's directory has the null executor's model's name: the
     MooncakeStore connector names every key by it (``<model>@tp_rank:0@...``),
     so both workers write the same keys."""
-    from replayer.replay.engines.engine_config import TARGET_MODEL
+    from replayer.replay.engines.engine_config import TARGET_MODEL, WIDE_TARGET_MODEL
 
     target, dtype = target_config(engine)
     draft = None
     if engine.speculative is not None:
         draft = _write_once(root, draft_config(target))
-    return WorkerModels(_write_once(root, target, TARGET_MODEL.name), draft, dtype,
+    name = (WIDE_TARGET_MODEL if engine.tensor_parallel_size > 2 else TARGET_MODEL).name
+    return WorkerModels(_write_once(root, target, name), draft, dtype,
                         target["architectures"][0])
 
 
