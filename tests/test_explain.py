@@ -8,7 +8,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from conftest import REPO, cli
+from conftest import REPO, cli, cli_here
 from helpers_traces import assert_bad_input
 from traces import load_target
 from replayer.analysis.explain import CAUSES
@@ -44,7 +44,12 @@ def test_explain_refuses_a_chunked_local_group_in_one_line():
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ALL, ids=lambda p: p.stem if p.suffix else p.name)
 def test_causes_add_up_and_nothing_is_unexplained(target):
-    ex = explain(load_target(target))
+    """Every fixture; on the fixtures a rule of explain is about, that rule too
+    (FIXTURE_CHECKS below): one explain of each fixture serves both."""
+    trace = load_target(target)
+    ex = explain(trace)
+    for check in FIXTURE_CHECKS.get(target.name, ()):
+        check(ex, trace)
     t = ex.table
     lost = sum(t[f"lost_{c}"] for c in CAUSES)
     assert (t["reachable"] - t["actual"] == lost).all()
@@ -67,13 +72,18 @@ def _lost(ex, rid: str) -> dict[str, int]:
     return {c: row[f"lost_{c}"] for c in CAUSES if row[f"lost_{c}"]}
 
 
-def test_causes_named_by_their_counterfactual():
-    """Each known miss lands on the cause its fixture is about."""
-    ex = explain(load_target(FIXTURES / "scenarios" / "vllm51295_turn1_24577.yaml"))
+# Each known miss lands on the cause its fixture is about (checked on the
+# fixture's one explain in test_causes_add_up_and_nothing_is_unexplained).
+
+def _eagle_drop_is_named(ex, trace):
     assert _lost(ex, "turn2") == {"eagle_drop": 128}          # the EAGLE drop, 1 PMU
-    ex = explain(load_target(FIXTURES / "scenarios" / "reset_prefix_cache.yaml"))
+
+
+def _reset_is_named(ex, trace):
     assert _lost(ex, "after_reset") == {"reset": 2992}
-    ex = explain(load_target(FIXTURES / "scenarios" / "shared_system_prompt_hybrid.yaml"))
+
+
+def _sparse_retention_is_named(ex, trace):
     # Mamba state exists only at user_a's prompt end: nothing to resume user_b from.
     assert _lost(ex, "user_b") == {"sparse_retention": 5888}
     assert ex.evidence["sparse_retention"].startswith("replay with dense")
@@ -160,8 +170,8 @@ def test_cli_json_parquet_and_set(tmp_path):
 ])
 def test_bad_set_is_one_line(tmp_path, opt, needle):
     target = FIXTURES / "scenarios" / "reset_prefix_cache.yaml"
-    for cmd in ("run", "explain"):
-        proc = cli(cmd, str(target), "--set", opt, "--json", tmp_path / "x.json")
+    for cmd in ("run", "explain"):          # refused before any engine: in this process
+        proc = cli_here(cmd, str(target), "--set", opt, "--json", tmp_path / "x.json")
         assert_bad_input(proc, needle)
         assert not (tmp_path / "x.json").exists()
 
@@ -189,7 +199,7 @@ def test_preemption_evidence_comes_from_the_adapter():
     assert "0.33" not in preemption_evidence(said)
 
 
-def test_a_prefix_shared_below_one_block_is_said():
+def _a_prefix_shared_below_one_block_is_said(ex, trace):
     """shared_prefix_below_one_block: second shares 100 tokens with first, under
     one 128-token block, so its reachable hit is 0 and nothing is lost; explain
     gives the token-granular figure beside the block-floored one and says why."""
@@ -197,7 +207,6 @@ def test_a_prefix_shared_below_one_block_is_said():
 
     from replayer.analysis.explain_tables import below_unit_line, render
 
-    ex = explain(load_target(FIXTURES / "scenarios" / "shared_prefix_below_one_block.yaml"))
     t = ex.table
     assert t["reachable"].to_list() == [0, 0, 256]
     assert t["shared_tokens"].to_list() == [0, 100, 300]
@@ -231,12 +240,11 @@ requests:
     assert got["shared_from"].to_list() == [None, None, "a", "a"]
 
 
-def test_a_store_miss_is_named_by_group_and_boundary():
+def _a_store_miss_is_named_by_group_and_boundary(ex, trace):
     """store_remove_named_keys: each resend's store loss names the key its lookup
     missed, by KV-cache group and token boundary, and what removed it."""
     from replayer.analysis.explain_tables import render
 
-    ex = explain(load_target(FIXTURES / "store" / "store_remove_named_keys.yaml"))
     assert _lost(ex, "p7449_again")["store"] == 7296
     said = {rid: [(m.op, m.group, m.boundary, m.how.split(" at ")[0]) for m in ms]
             for rid, ms in ex.store_misses.items()}
@@ -247,7 +255,7 @@ def test_a_store_miss_is_named_by_group_and_boundary():
         in text, text
 
 
-def test_attention_refetched_while_resident_is_a_cost_explain_and_report_show():
+def _attention_refetched_while_resident_is_a_cost_explain_and_report_show(ex, trace):
     """refetch_resident_attention: the Mamba group is evicted locally, the attention
     group still holds 7296 tokens, yet MooncakeStore (no divergent local hybrid
     hits) loads them again: no token is lost, and the cost is said, from the
@@ -255,8 +263,6 @@ def test_attention_refetched_while_resident_is_a_cost_explain_and_report_show():
     from replayer.analysis.explain_tables import render
     from replayer.analysis.html_report import render_html
 
-    trace = load_target(FIXTURES / "store" / "refetch_resident_attention.yaml")
-    ex = explain(trace)
     assert _lost(ex, "p7449_again").get("store", 0) == 0
     r = ex.refetched["p7449_again"]
     gets = [g for g in ex.baseline.store["rows"] if g["op"] == "get" and g["group"] == 0
@@ -270,6 +276,22 @@ def test_attention_refetched_while_resident_is_a_cost_explain_and_report_show():
     page = render_html(ex, "refetch", trace.header)
     assert '<section id="beside-the-causes">' in page
     assert "p7449_again: 7296 tokens (%d bytes) fetched from the store" % r.bytes in page
+
+
+# The rules above, each on the fixture it is about (file name -> checks).
+FIXTURE_CHECKS = {
+    "vllm51295_turn1_24577.yaml": [_eagle_drop_is_named],
+    "reset_prefix_cache.yaml": [_reset_is_named],
+    "shared_system_prompt_hybrid.yaml": [_sparse_retention_is_named],
+    "shared_prefix_below_one_block.yaml": [_a_prefix_shared_below_one_block_is_said],
+    "store_remove_named_keys.yaml": [_a_store_miss_is_named_by_group_and_boundary],
+    "refetch_resident_attention.yaml":
+        [_attention_refetched_while_resident_is_a_cost_explain_and_report_show],
+}
+
+
+def test_every_fixture_check_names_a_fixture_explained():
+    assert set(FIXTURE_CHECKS) <= {p.name for p in ALL}
 
 
 def test_a_store_miss_names_a_key_never_written_or_emptied_away():
