@@ -97,9 +97,9 @@ def model_core(engine: EngineBlock, version: str, config_for: Callable[[ModelArg
     label = f"vllm {version}"
     config = config_for(model_args(engine, label))
     if engine.tensor_parallel_size > 1:
-        from replayer.replay.engines.worker.ranks import configure_ranks, rank_seams
+        from replayer.replay.engines.worker.rank_config import configure_ranks
 
-        configure_ranks(config, rank_seams(engine, label))
+        configure_ranks(config, engine, label)
     if recorder is not None:
         recorder(config, version, bool(engine.connector))
     core = core_for(config)

@@ -37,8 +37,7 @@ from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-# vllm_config.additional_config[SEAMS_KEY]: what each rank process installs.
-SEAMS_KEY = "prefix_replayer_rank_seams"
+from replayer.replay.engines.worker.rank_config import SEAMS_KEY
 
 
 def install_process_seams(seams: dict[str, Any]) -> None:

@@ -39,9 +39,6 @@ from replayer.replay.engines.core_driver import _BUILDING
 from replayer.replay.engines.worker.executor import refuse_oversized_cache
 from replayer.replay.engines.worker.forced import ForcedTokens
 
-RANK_WORKER = "replayer.replay.engines.worker.rank_worker.RankWorker"
-
-
 def executor_class(engine: Any) -> type:
     """The model worker's executor for ``engine``: one rank in process (vLLM's
     ``UniProcExecutor``) at TP 1, vLLM's ``MultiprocExecutor`` above; with the
@@ -55,21 +52,6 @@ def executor_class(engine: Any) -> type:
     from replayer.replay.engines.worker.executor import ModelExecutor
 
     return ModelExecutor
-
-
-def rank_seams(engine: Any, label: str) -> dict[str, Any]:
-    """What every rank process installs (:func:`.rank_worker.install_process_seams`)."""
-    return {"block_size": engine.kv_groups[0].block_size, "label": label,
-            "interpret_kernels": bool(engine.speculative is not None and engine.has_mamba)}
-
-
-def configure_ranks(config: Any, seams: dict[str, Any]) -> None:
-    """A built config at TP N: its ranks build :class:`.rank_worker.RankWorker`
-    with ``seams``."""
-    from replayer.replay.engines.worker.rank_worker import SEAMS_KEY
-
-    config.parallel_config.worker_cls = RANK_WORKER
-    config.additional_config = {**(config.additional_config or {}), SEAMS_KEY: seams}
 
 
 class RankExecutor(MultiprocExecutor):
@@ -170,7 +152,7 @@ class StoreRankExecutor(RankExecutor):
         import sys
 
         from replayer.replay.engines.connector.mooncake_ranks import WorkerRank
-        from replayer.replay.engines.worker.rank_worker import SEAMS_KEY
+        from replayer.replay.engines.worker.rank_config import SEAMS_KEY
         from replayer.replay.engines.worker.store_proxy import StoreServer
 
         session = self.adapter.session

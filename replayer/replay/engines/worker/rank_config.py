@@ -1,0 +1,29 @@
+"""What a config at TP N tells each rank process of the model worker.
+
+vLLM hands every rank its ``VllmConfig``; the model worker's ranks
+(:mod:`.rank_worker`, built by vLLM's ``MultiprocExecutor`` in :mod:`.ranks`)
+find there the worker class to build (``parallel_config.worker_cls``) and the
+seams to install in their process (``additional_config[SEAMS_KEY]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# vllm_config.additional_config[SEAMS_KEY]: what each rank process installs.
+SEAMS_KEY = "prefix_replayer_rank_seams"
+RANK_WORKER = "replayer.replay.engines.worker.rank_worker.RankWorker"
+
+
+def rank_seams(engine: Any, label: str) -> dict[str, Any]:
+    """What every rank process installs (:func:`.rank_worker.install_process_seams`)."""
+    return {"block_size": engine.kv_groups[0].block_size, "label": label,
+            "interpret_kernels": bool(engine.speculative is not None and engine.has_mamba)}
+
+
+def configure_ranks(config: Any, engine: Any, label: str) -> None:
+    """A built config at TP N: its ranks build :class:`.rank_worker.RankWorker`,
+    which installs :func:`rank_seams`."""
+    config.parallel_config.worker_cls = RANK_WORKER
+    config.additional_config = {**(config.additional_config or {}),
+                                SEAMS_KEY: rank_seams(engine, label)}
