@@ -152,8 +152,12 @@ on_two_workers pytest_phase "replays on vLLM releases and source trees, on 2 xdi
 # processes for test_model_worker.py (its module fixture), and much of a
 # model-worker step is single-threaded Python (the scheduler, vLLM's Mamba kernels
 # under Triton's interpreter). A file per worker (--dist loadfile) took 575 s:
-# test_model_worker.py alone is most of it.
+# test_model_worker.py alone is most of it. xdist's default (load), not worksteal:
+# load deals tests in file order, so no worker comes back to test_model_worker.py
+# after leaving it, which would start that module's engines over again.
+TWO_WORKERS=(-n 2)
 on_two_workers pytest_phase "model worker: vLLM's own model runner in .venv-serve, held to the null executor; check --recompute and planted faults, on 2 xdist workers" $MODEL_WORKER
+TWO_WORKERS=(-n 2 --dist worksteal)
 on_two_workers pytest_phase "pytest plugin and replayer.pytest.testing (pytest runs in subprocesses, -n 2 included), on 2 xdist workers" $PLUGIN
 # On the installed vLLM only: every fixture on vllm==0.29.0 is docs/engines.md's
 # console block (check --engine vllm==0.29.0 fixtures/, its exit code 0 included).
