@@ -12,7 +12,7 @@ import gc
 
 import pytest
 
-from conftest import TRACES
+from conftest import MOONCAKE_TRACE, TRACES
 from replayer.replay.gc_tuning import REPLAY_GEN0_THRESHOLD, REPLAY_GEN2_THRESHOLD, fewer_gc_passes
 from replayer.replay.loop import ReplayError, replay
 from replayer.check.output import dumps
@@ -95,12 +95,15 @@ def test_engine_is_built_under_the_raised_threshold(monkeypatch, python_threshol
 
 
 def test_outcomes_identical_under_pythons_own_thresholds(python_thresholds, monkeypatch):
-    """conversation_500 through vLLM: the tuned loop against the plain one (the
+    """The conversation trace's first 120 requests through vLLM (the plain loop
+    collects many times over them; all 500 cost two replays of 7M prompt tokens
+    for the same proof): the tuned loop against the plain one (the
     same loop with the tuning swapped for a context that does nothing), same
     ``--json`` bytes."""
     import replayer.replay.loop as loop_module
+    from traces.importers.mooncake import import_mooncake
 
-    trace = load_target(TRACES / "conversation_500")
+    trace = import_mooncake(MOONCAKE_TRACE, limit=120)
     out = []
     for tuned in (False, True):
         if not tuned:
