@@ -72,6 +72,35 @@ def test_0_30_spells_the_shared_prefix_checkpoint_its_own_way():
     assert doc("0.30.0", entry.name) == doc("0.31.0", "enable_mamba_shared_prefix_checkpoint")
 
 
+RETENTION_ENV = "VLLM_PREFIX_CACHE_RETENTION_INTERVAL"
+
+
+@pytest.mark.parametrize("given,inside", [
+    ({"prefix_cache_retention_interval": 0}, "0"),
+    ({"prefix_cache_retention_interval": 4096}, "4096"),
+    ({"prefix_cache_retention_interval": None}, None),     # dense: unset, as 0.28 reads it
+    ({}, None),                                            # left out: the release's default
+])
+def test_0_28_reads_the_traces_retention_from_its_environment_while_it_builds(
+        monkeypatch, given, inside):
+    """0.26-0.28 read the interval from VLLM_PREFIX_CACHE_RETENTION_INTERVAL: the trace's
+    value is there while the engine is built, never the caller's, which comes back after."""
+    import os
+
+    from replayer.replay.engines import vllm_0_29
+    from traces.model.engine_spec import EngineBlock
+
+    monkeypatch.setenv(RETENTION_ENV, "1536")
+    engine = EngineBlock.from_dict("engine", {"block_size": 16, **given})
+    assert vllm_0_29.release_settings("0.28.0")["prefix_cache_retention_interval"] == Env(
+        RETENTION_ENV)
+    with vllm_0_29._release_environment(engine, "0.28.0"):
+        assert os.environ.get(RETENTION_ENV) == inside
+    assert os.environ[RETENTION_ENV] == "1536"
+    with vllm_0_29._release_environment(engine, "0.29.0"):     # a config field there
+        assert os.environ[RETENTION_ENV] == "1536"
+
+
 def _with_engine(tmp_path: Path, source: Path, **engine) -> Path:
     """``source`` with keys added to its engine block, as a scenario file."""
     raw = yaml.safe_load(source.read_text())
