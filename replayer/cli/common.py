@@ -10,7 +10,8 @@ from pathlib import Path
 from traces import TraceError, load_target
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
-ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), the path of a "
+ENGINE_HELP = ("installed (default), vllm==X.Y.Z (a release, fetched once), vllm@COMMIT (a "
+               "commit of the vLLM checkout $PREFIX_REPLAYER_VLLM_CHECKOUT), the path of a "
                "vLLM source tree, or of a Python environment whose vLLM runs the replay")
 NOTES_SAID: set[str] = set()
 
