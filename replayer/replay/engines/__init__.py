@@ -164,7 +164,7 @@ def installed_vllm_version() -> str:
 
 
 def supported_ranges() -> str:
-    """``0.29.x-0.32.x, 0.33.x``: the release ranges, one per adapter module."""
+    """``0.26.x-0.32.x, 0.33.x``: the release ranges, one per adapter module."""
     runs: list[list[str]] = []
     last = None
     for prefix, module in ADAPTERS.items():
