@@ -122,13 +122,13 @@ def test_mla_beside_other_kinds_caches_as_full_attention(tmp_path):
 def test_mamba_cache_mode_all_is_refused_where_vllm_removed_it():
     engine = load_target(MAMBA_ALL).engine
     assert engine.mamba_cache_mode == "all"
-    for version in ("0.29.0", "0.30.1", "0.31.0"):
+    for version in ("0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.1", "0.31.0"):
         check_supported(version, engine, "e")
     for version in ("0.32.0", "0.33.0"):
         with pytest.raises(UnsupportedByEngine, match=f"not in vLLM {version}"):
             check_supported(version, engine, "e")
     line = assert_bad_input(cli("run", MAMBA_ALL), "engine.mamba_cache_mode 'all'")
-    assert "replays on 0.29.x, 0.30.x, 0.31.x" in line
+    assert "replays on 0.26.x, 0.27.x, 0.28.x, 0.29.x, 0.30.x, 0.31.x" in line
     proc = cli("check", "fixtures/releases")         # no "no goldens": refused, so skipped
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("SKIP fixtures/releases/mamba_cache_mode_all.yaml: vllm "

@@ -90,8 +90,8 @@ def check_connector(version: str, connector: str | None, label: str) -> None:
 DECODE_SAVE_ASSERTS: tuple[str, ...] = ("0.29",)
 
 # release prefix -> the Mamba cache modes its CacheConfig takes beyond align and
-# none: "all" (every block's state cached) is 0.29-0.31's; 0.32 removed it.
-MAMBA_CACHE_MODE_ALL: tuple[str, ...] = ("0.29", "0.30", "0.31")
+# none: "all" (every block's state cached) is 0.26-0.31's; 0.32 removed it.
+MAMBA_CACHE_MODE_ALL: tuple[str, ...] = ("0.26", "0.27", "0.28", "0.29", "0.30", "0.31")
 
 
 # speculative method -> the first release that builds it on a machine without a
