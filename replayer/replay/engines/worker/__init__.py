@@ -15,5 +15,8 @@ the adapters import it, and the execution layer names it only to preload it.
 * :mod:`.kernels`: vLLM's Mamba-copy kernels under Triton's interpreter;
 * :mod:`.executor`: the executor with those seams, its memory refusal;
 * :mod:`.store`: the MooncakeStore connector vLLM's worker creates, with the
-  store's seams installed where it lives.
+  store's seams installed where it lives;
+* :mod:`.ranks`: TP N through vLLM's ``MultiprocExecutor``, one process per
+  rank, each a :mod:`.rank_worker` (the seams installed in its process, told
+  by :mod:`.rank_config`) whose store client is :mod:`.store_proxy`'s.
 """

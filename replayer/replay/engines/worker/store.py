@@ -34,7 +34,8 @@ that connector lives, and only these:
   stands in for this one (a CPU forward has finished when it returns).
 
 The distributed world is the CPU worker's own (one gloo rank), not a seam.
-One rank only: the model worker runs TP 1 (``models.check_geometry``).
+This module is the one-rank worker's; at TP N each rank's connector lives in
+its own process (:mod:`.rank_worker`, :mod:`.store_proxy`).
 """
 
 from __future__ import annotations
