@@ -15,7 +15,7 @@ import json
 import polars as pl
 import pytest
 
-from conftest import FIXTURES, cli
+from conftest import FIXTURES, cli, cli_here
 from replayer.replay.engines import UnsupportedByEngine, check_supported
 from traces.model.engine_spec import EngineBlock
 from traces.model.errors import TraceError
@@ -108,7 +108,7 @@ def test_a_full_cpu_tier_evicts_the_deepest_blocks_first(tmp_path):
 
 
 def test_offloading_refuses_a_mooncake_store_in_one_line():
-    proc = cli("run", RETURNS, "--store", "mooncake")
+    proc = cli_here("run", RETURNS, "--store", "mooncake")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "offloading keeps its blocks in vLLM's own CPU tier" in lines[0]
@@ -120,6 +120,8 @@ def test_store_events_are_refused_for_offloading(tmp_path):
                      "requests:", 1)
     src = tmp_path / "s.yaml"
     src.write_text(text)
-    proc = cli("run", src)
+    proc = cli_here("run", src)
     assert proc.returncode == 2, proc.stderr
-    assert "store_remove names MooncakeStore keys" in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "store_remove names MooncakeStore keys" in lines[0]
+    assert lines[0].startswith(f"replayer: error: {src}: ")

@@ -187,6 +187,12 @@ def check_store_applies(args, traces) -> None:
         where = traces[0].path if len(traces) == 1 else "the targets"
         raise TraceError(where, f"{what} applies to a trace with engine.connector, and "
                                 f"{'it has' if len(traces) == 1 else 'none has'} none")
+    if not any(t.engine.connector == "mooncake_store" for t in traces):
+        what = "--store " + args.store if args.store != "memory" else "--store-capacity"
+        where = traces[0].path if len(traces) == 1 else "the targets"
+        raise TraceError(where, f"{what} applies to a MooncakeStore trace (engine.connector "
+                                "mooncake_store): offloading keeps its blocks in vLLM's own "
+                                "CPU tier")
 
 
 def load_with_sets(path, sets, stream=False, allow_missing=()):

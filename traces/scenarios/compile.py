@@ -153,6 +153,10 @@ def _check_store_events(path: Path, events: pa.Table, engine: EngineBlock) -> No
             continue
         if not engine.connector:
             raise TraceError(path, f"events[{i}]: {action} needs engine.connector")
+        if engine.connector != "mooncake_store":
+            raise TraceError(path, f"events[{i}]: {action} names MooncakeStore keys and its "
+                                   f"client; engine.connector {engine.connector} has neither "
+                                   "(it needs engine.connector mooncake_store)")
         for j, sel in enumerate(keys or ()):
             if sel.get("rank") is not None and sel["rank"] >= engine.tensor_parallel_size:
                 raise TraceError(path, f"events[{i}].keys[{j}].rank {sel['rank']} is not a "
