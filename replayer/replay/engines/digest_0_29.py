@@ -1,5 +1,5 @@
-"""The state digest for vLLM 0.29-0.32: 0.33's (:mod:`.digest_0_33`), on the
-structures these releases share with it.
+"""The state digest for vLLM 0.26-0.32 (the 0.29 adapter's range): 0.33's
+(:mod:`.digest_0_33`), on the structures these releases share with it.
 
 Read from each wheel's ``vllm/v1/core`` and ``v1/engine/core.py``: the
 scheduler's queues and requests, the KV-cache manager, its coordinator and
@@ -13,8 +13,11 @@ code; a field one of these releases has that 0.33 lacks is walked unasked
 * **No local prefill interval.** ``local_prefill_interval``,
   ``num_executed_steps`` and ``last_prefill_step`` came in 0.33; here no
   decision reads a distance since the last prefill, so there is none to write.
-* **0.29's block pool has no reuse watchers** (``_reuse_watchers``, the
+* **0.26-0.29's block pool has no reuse watchers** (``_reuse_watchers``, the
   connector's callbacks, came in 0.30): the section writes them where they are.
+
+A field the digest reads that a release lacks fails the boundary (said once,
+never trusted), as a value it cannot encode does.
 
 The exclusions (:data:`.digest_0_33.EXCLUDED`) are the same list: a name a
 release lacks excludes nothing.

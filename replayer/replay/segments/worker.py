@@ -31,7 +31,7 @@ from traces.model.outcome import RequestOutcome
 
 # vLLM release prefix -> the module whose ``DIGEST`` reads that release's state.
 DIGESTS = {"0.33": "replayer.replay.engines.digest_0_33",
-           **dict.fromkeys(("0.29", "0.30", "0.31", "0.32"),
+           **dict.fromkeys(("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32"),
                            "replayer.replay.engines.digest_0_29")}
 
 
@@ -145,6 +145,8 @@ class SegmentWorker:
             digest, unreadable = self._digest(self._engine, loop), None
         except DigestError as exc:
             digest, unreadable = None, str(exc)
+        except AttributeError as exc:       # a field this release lacks: never trusted
+            digest, unreadable = None, f"a field the digest reads is not there ({exc})"
         counted = self._counters(self._engine)
         self._lap()                           # the digest's own time is not the replay's
         return Boundary(point, run.clock, run.steps_run, counted["lookups"], digest, seconds,
