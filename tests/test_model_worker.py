@@ -79,6 +79,12 @@ TWINS = {"scenarios/vllm51295_turn1_24576.yaml", "traces/live_qwen3_next_kv_even
 # output tokens (a Mooncake conversation trace). Its block 16 is held here by
 # the smaller block-16 fixtures and test_block_16_runs_on_the_cpu_kernels_vec16_path.
 TOO_LONG_HERE = {"traces/conversation_500"}
+# TP 2 on the model worker spawns one process per rank, each importing vLLM
+# (tens of seconds a build on two cores) and running a bf16 hybrid over 7,449-
+# to 23,196-token prompts: held here by test_tp2_ranks_in_their_own_processes_*
+# on a slice, and over these fixtures by benchmarks/worker_agreement.py.
+TP_FIXTURES = {"store/resend_after_reset_tp2.yaml", "store/tp2_get_fails_request_errors.yaml",
+               "store/tp2_one_rank_lost_mamba.yaml", "store/tp2_put_fails_at_b_plus_h.yaml"}
 
 
 def _id(path) -> str:
@@ -102,16 +108,19 @@ def test_the_model_worker_runs_most_hybrid_and_live_fixtures():
             "traces/live_qwen3_next", "traces/live_eagle",
             # ... the MooncakeStore connector at TP 1,
             "store/resend_after_reset.yaml", "traces/live_store_qwen3_next",
+            # ... at TP 2 (one process per rank, worker/ranks.py),
+            "store/resend_after_reset_tp2.yaml", "store/tp2_one_rank_lost_mamba.yaml",
             # ... and block 16 (vLLM's CPU kernel's vec16 path, worker/attention.py).
             "scenarios/evict_request.yaml", "store/decode_puts_named.yaml",
             "traces/conversation_500"} <= names
 
 
 def test_the_twins_left_to_the_benchmark_are_runnable():
-    assert TWINS <= {_id(p) for p in RUNNABLE}
+    assert TWINS | TP_FIXTURES <= {_id(p) for p in RUNNABLE}
 
 
-@pytest.mark.parametrize("path", [p for p in RUNNABLE if _id(p) not in TWINS | TOO_LONG_HERE],
+@pytest.mark.parametrize("path", [p for p in RUNNABLE
+                                  if _id(p) not in TWINS | TOO_LONG_HERE | TP_FIXTURES],
                          ids=_id)
 def test_model_worker_agrees_with_the_null_executor(workers, path):
     trace = load_target(path)
@@ -376,3 +385,46 @@ def test_a_get_that_loads_other_bytes_than_its_put_fails_the_replay(serve_venv, 
             damaged(trace)
     finally:
         damaged.close()
+
+
+# TP 2 on a slice: vLLM's MultiprocExecutor, one process per rank
+# (worker/ranks.py), each rank's connector writing its own keys through its own
+# store client; a put that fails on rank 1 stops b_again's hit at that key.
+STORE_TP2 = """
+engine:
+  block_size: 32
+  kv_groups: [{kind: full_attention}]
+  max_num_batched_tokens: 2048
+  max_num_seqs: 8
+  num_gpu_blocks: 64
+  connector: mooncake_store
+  tensor_parallel_size: 2
+requests:
+  - {id: a, prompt: [{stream: a, len: 300}], output_len: 2}
+  - {id: a_again, after: a, prompt: [{stream: a, len: 300}], output_len: 2}
+  - {id: b, after: a_again, prompt: [{stream: b, len: 300}], output_len: 2}
+  - {id: b_again, after: b, prompt: [{stream: b, len: 300}], output_len: 2}
+events:
+  - {after: a, action: reset_prefix_cache}
+  - {after: a_again, action: store_fault, op: put, code: RPC_FAIL, keys: [{request: b, boundary: 128, rank: 1}]}
+  - {after: b, action: reset_prefix_cache}
+"""
+
+
+def test_tp2_ranks_in_their_own_processes_give_the_null_executors_hits_and_puts(
+        workers, tmp_path):
+    trace = read_trace(make_trace_dir(tmp_path, "store_tp2", STORE_TP2))
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert worker_differences(null, model) == []
+    hits = {r.id: r.num_cached_tokens for r in model.requests}
+    assert hits == {"a": 0, "a_again": 288, "b": 0, "b_again": 96}
+    rows = model.store["rows"]
+    # Both ranks wrote through their own clients (the one-KV-head model's
+    # attention puts striped over them, as vLLM's worker stripes a replicated group).
+    assert {r["rank"] for r in rows if r["op"] == "put" and r["result"] == 0} == {0, 1}
+    failed = [(r["op"], r["request"], r["boundary"], r["rank"], r["result"])
+              for r in rows if r["result"] is not None and r["result"] < 0]
+    assert failed == [("put", "b", 128, 1, -900)]
+    gets = [r for r in rows if r["op"] == "get" and r["result"] >= 0]
+    assert gets and model.store["gets_checked"] == len(gets)
+    assert all(r.logprobs for r in model.requests)
