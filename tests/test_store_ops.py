@@ -10,7 +10,7 @@ from pathlib import Path
 
 import polars as pl
 
-from conftest import cli
+from conftest import STORE_SCENARIOS, cli
 
 
 def test_store_ops_table_holds_every_operation_in_order(tmp_path):
@@ -87,3 +87,37 @@ def test_puts_made_while_decoding_name_their_request_and_boundary(tmp_path):
     gets = ops.filter((pl.col("op") == "get") & (pl.col("result") > 0))
     assert gets["boundary"].to_list() == [16, 32, 48, 64, 80]
     assert set(gets["request"].to_list()) == {"talk"} and set(gets["loader"]) == {"quote"}
+
+
+def test_a_pd_pair_decodes_what_its_prefill_instance_wrote(tmp_path):
+    """fixtures/store/pd_pair_shared_store.yaml (engine.prefill_instance): the
+    kv_producer prefill instance writes, the kv_consumer decode instance reads
+    the same store. The decode side's hit is its lookup's, from keys put before
+    any get of them; with a prefill instance that writes nothing (kv_consumer
+    too) the decode side gets nothing from the store."""
+    fixture = STORE_SCENARIOS / "pd_pair_shared_store.yaml"
+    ops_file, json_file = tmp_path / "ops.parquet", tmp_path / "out.json"
+    proc = cli("run", fixture, "--store-ops", ops_file, "--json", json_file)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(json_file.read_text())
+    turn1, turn2 = out["requests"]
+    assert (turn1["num_external_cached_tokens"], turn1["num_local_cached_tokens"]) == (7296, 0)
+    assert turn2["num_local_cached_tokens"] > 0 and turn2["num_external_cached_tokens"] > 0
+    # One lookup filed per request: the decode instance's, whose hit it took.
+    assert [(x["request"], x["hit_length"]) for x in out["store"]["lookups"]] == [
+        ("turn1", 7296), ("turn2", turn2["num_cached_tokens"])]
+    ops = pl.read_parquet(ops_file)
+    puts = ops.filter((pl.col("op") == "put") & (pl.col("result") >= 0))
+    gets = ops.filter((pl.col("op") == "get") & (pl.col("result") > 0))
+    first_put = dict(zip(puts["key"].to_list(), puts["order"].to_list()))
+    assert gets.height > 0
+    assert all(first_put.get(k, 1 << 62) < o for k, o in zip(gets["key"], gets["order"]))
+    # The prefill instance as a consumer too: nothing is written, nothing read.
+    silent = tmp_path / "silent.yaml"
+    silent.write_text(fixture.read_text().replace("kv_role: kv_producer",
+                                                  "kv_role: kv_consumer"))
+    proc = cli("run", silent, "--json", json_file)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(json_file.read_text())
+    assert [r["num_external_cached_tokens"] for r in out["requests"]] == [0, 0]
+    assert out["store"]["puts"] == [] and out["store"]["ops"].get("get", 0) == 0
