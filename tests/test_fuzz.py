@@ -97,7 +97,11 @@ engine = st.fixed_dictionaries({}, optional={
     "scheduling_policy": sometimes(st.sampled_from(["fcfs", "priority"])),
     "connector": sometimes(st.sampled_from(["mooncake_store"])),
     "connector_config": sometimes(st.dictionaries(st.sampled_from(
-        ["load_async", "cache_prefix", "enable_lookup"]), scalars, max_size=2)),
+        ["load_async", "cache_prefix", "enable_lookup", "kv_role"]), scalars, max_size=2)),
+    "prefill_instance": sometimes(st.dictionaries(st.sampled_from(
+        ["connector_config", "kv_role"]), st.one_of(scalars, st.dictionaries(
+            st.sampled_from(["kv_role", "enable_lookup"]), scalars, max_size=2)),
+        max_size=2)),
     "mamba_cache_mode": sometimes(st.sampled_from(["align", "none"])),
     "prefix_cache_retention_interval": sometimes(st.one_of(st.none(), small))})
 event_row = st.fixed_dictionaries({"action": sometimes(st.sampled_from(
