@@ -27,6 +27,9 @@ CHUNKED = FIXTURES / "scenarios" / "chunked_local_attention.yaml"
 ALL = sorted([*FIXTURES.glob("scenarios/*.yaml"), *FIXTURES.glob("store/*.yaml"),
               FIXTURES / "traces" / "conversation_500"])
 ALL.remove(CHUNKED)
+# A prefill/decode pair: explain refuses it (test below).
+PD_PAIR = FIXTURES / "store" / "pd_pair_shared_store.yaml"
+ALL.remove(PD_PAIR)
 
 
 def test_explain_refuses_a_chunked_local_group_in_one_line():
@@ -42,6 +45,16 @@ def test_explain_refuses_a_chunked_local_group_in_one_line():
 
 
 @pytest.mark.slow
+def test_explain_refuses_a_prefill_decode_pair_in_one_line():
+    """The decode side's hits come from the request's own prefill on the other
+    instance: no reuse between requests to compare with; said before any replay."""
+    proc = cli_here("explain", PD_PAIR)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "explain cannot account for a prefill/decode pair" in lines[0]
+    assert proc.stdout == ""
+
+
 @pytest.mark.parametrize("target", ALL, ids=lambda p: p.stem if p.suffix else p.name)
 def test_causes_add_up_and_nothing_is_unexplained(target):
     """Every fixture; on the fixtures a rule of explain is about, that rule too

@@ -265,6 +265,11 @@ def refuse_unexplainable(trace: Trace) -> None:
                          "counts the tokens before the current attention chunk as computed "
                          "without any cache, so reachable hits are not defined for it "
                          "(run and check replay it)")
+    if trace.engine.prefill_instance is not None:
+        raise TraceError(trace.path, "explain cannot account for a prefill/decode pair "
+                         "(engine.prefill_instance): the decode instance's hits come from "
+                         "its own request's prefill on the other instance, which reachable "
+                         "hits, reuse between requests, do not model (run and check replay it)")
 
 
 def explain(trace: Trace, run: Replayer, *,
