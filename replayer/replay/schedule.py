@@ -17,6 +17,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+# Past every step (an arrival_step has no upper bound): no timed arrival is left.
+NO_MORE = float("inf")
 # A store key by meaning: (first request, group, boundary, rank); None matches any.
 KeySelector = tuple[str, Optional[int], Optional[int], Optional[int]]
 
@@ -70,6 +72,9 @@ class Schedule:
         self._step_events = [(k, ev) for k, _, ev in steps]
         self._next_row = 0
         self._next_event = 0
+        # The step of the next timed arrival as a Python int (NO_MORE: none left):
+        # the loop asks every step, and a numpy scalar comparison costs ~1 us.
+        self._next_arrival = int(self._timed_steps[0]) if len(self._timed_steps) else NO_MORE
 
     def events_due(self, clock: int) -> list[Event]:
         """``at_step`` events whose step has come (run these first)."""
@@ -82,11 +87,13 @@ class Schedule:
 
     def arrivals_due(self, clock: int) -> list[int]:
         """Rows of requests with an ``arrival_step`` that has come, in (step, row) order."""
-        start = self._next_row
-        if start >= len(self._timed_steps) or self._timed_steps[start] > clock:
+        if self._next_arrival > clock:
             return []
+        start = self._next_row
         end = int(np.searchsorted(self._timed_steps, clock, side="right"))
         self._next_row = end
+        self._next_arrival = (int(self._timed_steps[end]) if end < len(self._timed_steps)
+                              else NO_MORE)
         return self._timed_rows[start:end].tolist()
 
     def after(self, request_id: str) -> tuple[list[Event], list[int]]:
