@@ -21,7 +21,11 @@ from traces import load_target
 from traces.model.schema import OUTCOME_FIELDS
 from traces.trace import Trace, read_trace, write_trace
 
-FIXTURES = sorted(SCENARIOS.glob("*.yaml")) + sorted(STORE_SCENARIOS.glob("*.yaml")) + sorted(
+# A prefill/decode pair (engine.prefill_instance) is two engines; a recording
+# holds one, so recording its replay is refused (engines.open_engine).
+FIXTURES = sorted(SCENARIOS.glob("*.yaml")) + sorted(
+    p for p in STORE_SCENARIOS.glob("*.yaml")
+    if load_target(p).engine.prefill_instance is None) + sorted(
     p for p in TRACES.iterdir() if p.is_dir())
 FIELDS = OUTCOME_FIELDS
 

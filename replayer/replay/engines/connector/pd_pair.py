@@ -130,6 +130,15 @@ class PrefillDecodePair(EngineAdapter):
         self.decode.store_fault(op, keys, code, times)
 
     # -- the rest is the decode instance's -----------------------------------
+    @property
+    def scheduler(self) -> Any:
+        """The decode instance's vLLM scheduler (what a caller reads of one engine's state)."""
+        return self.decode.scheduler
+
+    @property
+    def prefix_hashes(self) -> Any:
+        return self.decode.prefix_hashes
+
     def ask_top_logprobs(self, k: int | None) -> None:
         self.decode.ask_top_logprobs(k)
 
