@@ -145,19 +145,3 @@ def test_the_bundled_slice_is_the_head_of_the_public_trace_behind_conversation_5
     for name in ("id", "arrival_step", "arrival_ms", "num_prompt_tokens", "prompt_block_ids",
                  "output_len"):
         assert imported[name].to_pylist() == bundled[name].to_pylist(), name
-
-
-def test_prompt_list_equals_prompt_with_blocks_dropped_and_made_again(monkeypatch):
-    """The replay's prompt lists (joined from each block's cached tokens, least
-    recently used blocks dropped) are the synthesised prompts, token for token."""
-    from traces import materialize
-
-    monkeypatch.setattr(materialize, "BLOCK_LISTS_HELD", 8)     # far below one prompt
-    trace = import_mooncake(MOONCAKE_TRACE, limit=30)
-    source = TokenSource(trace.header, trace.requests)
-    rows = list(range(30)) + [29, 0, 15, 0]                      # again, after eviction
-    for i in rows:
-        got = source.prompt_list(i)
-        assert got == source.prompt(i).tolist()
-        assert len(got) == trace.requests["num_prompt_tokens"][i].as_py()
-    assert len(source._block_lists) == 8

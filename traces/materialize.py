@@ -12,7 +12,6 @@ file (:class:`traces.io.request_stream.ListWindow`): the same values either way.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +21,6 @@ import pyarrow as pa
 
 from traces.io.request_stream import LIST_COLUMNS, RequestLists, list_arrays
 from traces.model.tokens import block_tokens, stream_tokens
-
-# Trace blocks whose token lists prompt_list keeps (least recently used dropped):
-# 1,024 blocks of 512 tokens are ~19 MB of Python ints, a quarter of the
-# default 2 M-token KV cache's worth of prompt.
-BLOCK_LISTS_HELD = 1024
 
 
 class WholeLists:
@@ -106,7 +100,6 @@ class TokenSource:
         self.n_prompt = requests["num_prompt_tokens"].to_numpy()
         self.ids = Column(requests, "id")
         self._lists = WholeLists(requests) if lists is None else lists.window()
-        self._block_lists: OrderedDict[int, list[int]] = OrderedDict()   # prompt_list's
 
     def prompt(self, row: int) -> np.ndarray:
         tokens = self._lists.get("prompt_tokens", row)
@@ -114,33 +107,6 @@ class TokenSource:
             return np.asarray(tokens, dtype=np.int64)
         blocks = self._lists.get("prompt_block_ids", row)   # validated: one of the two is there
         return block_tokens(blocks, self.block, int(self.n_prompt[row]), self.vocab)
-
-    def prompt_list(self, row: int) -> list[int]:
-        """:meth:`prompt` as a Python list, the form an engine request takes. A
-        prompt named by block ids is joined from each block's token list, made
-        once per id while it stays among the most recently used (a block's
-        tokens are a function of its id alone, :func:`block_tokens`): a trace
-        that shares long prefixes stops re-synthesising them on every arrival."""
-        if self._lists.get("prompt_tokens", row) is not None:
-            return self.prompt(row).tolist()
-        blocks = self._lists.get("prompt_block_ids", row)
-        length = int(self.n_prompt[row])
-        ids = blocks[: -(-length // self.block)].tolist()
-        cache = self._block_lists
-        missing = list(dict.fromkeys(i for i in ids if i not in cache))
-        if missing:
-            made = block_tokens(np.asarray(missing, dtype=np.int64), self.block,
-                                len(missing) * self.block, self.vocab)
-            for k, i in enumerate(missing):
-                cache[i] = made[k * self.block:(k + 1) * self.block].tolist()
-        out: list[int] = []
-        for i in ids:
-            out += cache[i]
-            cache.move_to_end(i)
-        del out[length:]
-        while len(cache) > BLOCK_LISTS_HELD:
-            cache.popitem(last=False)
-        return out
 
     def prompt_blocks(self, row: int) -> tuple[list[int], int] | None:
         """(trace block ids, tokens per block) of a prompt synthesised from block

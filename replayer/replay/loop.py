@@ -372,12 +372,12 @@ class _LoopState:
     def add(self, i: int) -> None:
         """Row ``i`` arrives: into the engine, and pending in arrival order."""
         rows, tokens = self.rows, self.tokens
-        prompt = tokens.prompt_list(i)
+        prompt = tokens.prompt(i)
         blocks = tokens.prompt_blocks(i) if self.shortcuts else None
         rid = rows.ids[i]
         output_len = rows.output_len[i]
         self.engine.add_request(EngineRequest(
-            id=rid, prompt_tokens=prompt,
+            id=rid, prompt_tokens=prompt.tolist(),
             output_tokens=tokens.output(i, output_len, self.n_spec + 1).tolist(),
             output_len=output_len, cache_salt=rows.cache_salt[i],
             priority=rows.priority[i] or 0,
