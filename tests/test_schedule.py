@@ -226,3 +226,15 @@ def test_schedule_hands_out_each_arrival_and_event_once():
     assert [e.why for e in sched.events_due(10)] == ["at_step 3"]
     assert sched.arrivals_due(10) == [2, 3]
     assert sched.next_point() is None and sched.arrivals_due(11) == []
+
+
+def test_arrivals_far_in_the_future_and_none_left():
+    """The next arrival is held as a plain number: steps past 2**62 still come in
+    order, and a schedule with no timed arrival (or none left) hands out none."""
+    far = 2**62 + 5
+    sched = Schedule([far, 7, far + 1], [None, None, None])
+    assert sched.arrivals_due(6) == [] and sched.arrivals_due(7) == [1]
+    assert sched.arrivals_due(2**62) == [] and sched.next_point() == far
+    assert sched.arrivals_due(far) == [0] and sched.arrivals_due(far) == []
+    assert sched.arrivals_due(2**63 - 1) == [2] and sched.next_point() is None
+    assert Schedule([None], ["x"]).arrivals_due(2**63 - 1) == []
