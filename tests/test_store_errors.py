@@ -42,7 +42,7 @@ def scenario(tmp_path: Path, engine_extra: str, tail: str = "") -> Path:
 
 @pytest.mark.parametrize("engine_extra, tail, needle", [
     (", connector: redis_store", "", "engine.connector 'redis_store' is not supported "
-                                     "(known: mooncake_store)"),
+                                     "(known: mooncake_store, offloading)"),
     (", connector: mooncake_store, connector_config: {load_sync: true}", "",
      "unknown key 'load_sync' in engine.connector_config"),
     (", connector_config: {load_async: true}", "", "engine.connector_config needs engine.connector"),
