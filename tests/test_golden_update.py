@@ -126,6 +126,23 @@ def test_keyed_goldens_gain_the_engine_beside_the_others(tmp_path):
     assert '"vllm==0.29.0":   # production\n' in path.read_text()
 
 
+def test_an_update_keeps_the_entry_another_engine_wrote_while_it_replayed(tmp_path):
+    """Two --update-golden runs on other engines of one scenario: the second read
+    the file before the first wrote, and must not erase the first's entry."""
+    path = scenario(tmp_path, """\
+        requests:
+          - {id: a, prompt: {stream: s, len: 20}}
+        expect:
+          "vllm==0.29.0": {a: {num_cached_tokens: 0}}
+        """)
+    stale = load_target(path)  # read before the other engine's update below
+    other = fake_result(stale, cached=5)
+    other.engine = EngineInfo("0.31.0")
+    golden_check.update(path, load_target(path), other)
+    golden_check.update(path, stale, fake_result(stale, cached=9))
+    assert set(load_target(path).goldens) == {"vllm==0.29.0", "vllm==0.31.0", "vllm==0.33.0"}
+
+
 def test_file_mode_is_kept_and_a_new_file_follows_the_umask(tmp_path):
     path = scenario(tmp_path, "requests: [{id: a, prompt: {stream: s, len: 20}}]\n")
     path.chmod(0o644)

@@ -177,8 +177,33 @@ def _reads_back(path: Path, trace: Trace, new: dict[GoldenKind, tuple[str, Any]]
     return check_file
 
 
+def _golden_lock(path: Path):
+    """A lock per golden file, outside the fixture tree (no stray ``.lock`` beside it).
+
+    Two ``--update-golden`` runs on other engines of one scenario would each
+    write back the blocks they read before their replay: the second erased the
+    first's entry. Under this lock the file is read again before it is rewritten."""
+    import hashlib
+    import tempfile
+
+    from filelock import FileLock
+    name = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    return FileLock(Path(tempfile.gettempdir()) / f"prefix-replayer-goldens-{name}.lock")
+
+
 def update(path: Path, trace: Trace, result: ReplayResult) -> list[str]:
-    """Rewrite every kind of golden from this replay; the ``UPDATED`` lines to print."""
+    """Rewrite every kind of golden from this replay; the ``UPDATED`` lines to print.
+
+    Under a lock on the file, the scenario's goldens are read again, so that
+    another engine's entry written while this one replayed is kept."""
+    path = Path(path)
+    with _golden_lock(path):
+        if is_scenario_path(path):
+            trace = compile_scenario(path)
+        return _update_locked(path, trace, result)
+
+
+def _update_locked(path: Path, trace: Trace, result: ReplayResult) -> list[str]:
     scenario = is_scenario_path(path)
     new = _new_goldens(path, trace, result, scenario)
     where: dict[GoldenKind, str] = {}
