@@ -121,14 +121,30 @@ def test_progress_bar_only_when_enabled():
     assert piped.getvalue() == ""
 
 
-def test_check_passes_every_bundled_fixture():
-    proc = cli("check", "fixtures/")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    # fixtures/releases/ holds geometry the installed vLLM removed: skipped, said why.
+def test_check_over_a_folder_finds_every_scenario_and_trace_directory():
+    """``check fixtures/`` checks every scenario and trace directory below it, and
+    nothing else (the Mooncake JSONL and README beside them). That each of them
+    passes on the installed vLLM is the golden-fixtures phase of run-tests.sh
+    (``pytest fixtures/ --replayer-engine installed``): a second replay of them all
+    here, conversation_500's 7.1M prompt tokens included, proved nothing more."""
+    from replayer.cli.check import expand_targets
+
+    found = expand_targets(["fixtures/"])
+    want = sorted([*FIXTURES.rglob("*.yaml"),
+                   *(p for p in TRACES.iterdir() if (p / "header.json").exists())])
+    assert sorted(p.resolve() for p in found) == [p.resolve() for p in want]
+    assert len(want) > 40
+
+
+def test_check_over_folders_passes_and_skips_what_the_installed_vllm_removed():
+    """fixtures/releases/ holds geometry the installed vLLM removed: SKIP, said why,
+    exit 0 beside the targets that PASS (a scenario and a recorded trace)."""
     older = sorted(FIXTURES.glob("releases/*.yaml"))
-    n = (len(list(FIXTURES.rglob("*.yaml"))) - len(older)
-         + sum(1 for p in TRACES.iterdir() if (p / "header.json").exists()))
-    assert proc.stdout.count("PASS ") == n
+    proc = cli("check", "fixtures/releases/", "fixtures/scenarios/reset_prefix_cache.yaml",
+               "fixtures/traces/live_store_llama")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert older
+    assert proc.stdout.count("PASS ") == 2
     assert [line.split(":")[0] for line in proc.stdout.splitlines()
             if line.startswith("SKIP ")] == [f"SKIP {p.relative_to(FIXTURES.parent)}"
                                              for p in older]
