@@ -213,8 +213,8 @@ def test_check_against_the_recording():
     refuses here: every live fixture has recorded outcomes and steps (the
     kv_events one recorded vLLM's KV-cache events too, compared here). Their
     goldens on the installed vLLM (the kv event goldens included) are checked by
-    ``pytest fixtures/`` (scripts/run-tests.sh) and by tests/test_replay.py's
-    ``check fixtures/``: a third replay of them here proved nothing more."""
+    ``pytest fixtures/`` (scripts/run-tests.sh's golden-fixtures phase): a second
+    replay of them here proved nothing more."""
     paths = [LIVE[name].relative_to(REPO) for name in sorted(LIVE)]
     recorded = _ok(cli("check", "--against", "recorded", *paths,
                        timeout=CALL_TIMEOUT)).stdout
