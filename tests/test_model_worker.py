@@ -253,6 +253,17 @@ def test_seeded_weights_make_the_output_depend_on_the_context(workers, tmp_path)
     assert max(abs(x - y) for x, y in zip(lp["a"], lp["b"])) > 1e-3
 
 
+def _model_parents(status: str) -> tuple[int, int]:
+    """Replays and failed replays of every model-worker engine parent on a warm
+    server, from ``replayer server status``."""
+    import re
+
+    rows = [re.search(r"\(environment .*model worker\): pid \d+, (\d+) replay\(s\) "
+                      r"\((\d+) failed\)", line) for line in status.splitlines()]
+    rows = [m for m in rows if m]
+    return sum(int(m[1]) for m in rows), sum(int(m[2]) for m in rows)
+
+
 def test_a_warm_model_worker_replay_is_byte_identical_to_cold(workers, serve_venv,
                                                               monkeypatch):
     """The warm server serves the model worker: an engine parent in .venv-serve's
@@ -260,7 +271,12 @@ def test_a_warm_model_worker_replay_is_byte_identical_to_cold(workers, serve_ven
     one fork per replay, torch's threads set in the fork as a cold process has
     them. Its result (hits, schedule, every output token's logprob) is the cold
     engine process's, byte for byte, twice: a hybrid with EAGLE, whose Mamba-copy
-    kernels run under Triton's interpreter in the fork."""
+    kernels run under Triton's interpreter in the fork.
+
+    On the suite's warm server when one runs (scripts/run-tests.sh starts one):
+    its model-worker parent, once started, serves this test and every later
+    --worker model command (its start is most of this test: about 42 s of
+    imports on two cores, a replay about 9 s); otherwise on a server of its own."""
     import shutil
     import tempfile
 
@@ -269,12 +285,16 @@ def test_a_warm_model_worker_replay_is_byte_identical_to_cold(workers, serve_ven
 
     trace = load_target(FIXTURES / "scenarios" / "gdn_eagle_checkpoint_resume.yaml")
     cold = dumps(workers["model"](trace))
-    root = tempfile.mkdtemp(prefix="rp-", dir="/tmp")        # a server of this test's own
-    env = {"PREFIX_REPLAYER_RUNTIME_DIR": root, "PREFIX_REPLAYER_NO_SERVER": ""}
-    monkeypatch.setenv("PREFIX_REPLAYER_RUNTIME_DIR", root)
     monkeypatch.delenv("PREFIX_REPLAYER_NO_SERVER", raising=False)
-    assert cli("server", "start", "--lazy", env=env).returncode == 0
+    env = {"PREFIX_REPLAYER_NO_SERVER": ""}
+    root = None
+    if cli("server", "status", env=env).returncode != 0:     # no suite server: its own
+        root = tempfile.mkdtemp(prefix="rp-", dir="/tmp")
+        env["PREFIX_REPLAYER_RUNTIME_DIR"] = root
+        monkeypatch.setenv("PREFIX_REPLAYER_RUNTIME_DIR", root)
+        assert cli("server", "start", "--lazy", env=env).returncode == 0
     try:
+        before = _model_parents(cli("server", "status", env=env).stdout)
         client = make_client(parse_spec(str(serve_venv), "model"), own_process=True)
         assert type(client).__name__ == "WarmClient"
         warm = [dumps(client(trace)) for _ in range(2)]
@@ -282,10 +302,13 @@ def test_a_warm_model_worker_replay_is_byte_identical_to_cold(workers, serve_ven
         assert warm == [cold, cold]
         status = cli("server", "status", env=env).stdout
         assert "(environment " in status and "model worker): pid" in status, status
-        assert "replays served: 2" in status and "(0 failed)" in status, status
+        replays, failed = _model_parents(status)
+        # Another xdist worker's --worker model commands may share the parent.
+        assert replays >= before[0] + 2 and failed == before[1], (before, status)
     finally:
-        cli("server", "stop", env=env)
-        shutil.rmtree(root, ignore_errors=True)
+        if root is not None:
+            cli("server", "stop", env=env)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def test_block_16_runs_on_the_cpu_kernels_vec16_path(workers, tmp_path):
