@@ -379,3 +379,26 @@ def test_a_fault_on_a_rank_the_trace_does_not_run_stops_the_replay(tmp_path):
     assert_bad_input(cli("run", trace), "event store_fault (after a)",
                      "store_fault on rank 1, but the replay runs 1 rank(s) "
                      "(engine.tensor_parallel_size)")
+
+
+def test_a_store_fault_naming_no_rank_is_refused_where_the_ranks_run_at_once():
+    # The model worker at TP N runs its ranks in processes of their own, at once
+    # (replayer/replay/engines/worker/ranks.py): which rank would meet a fault that
+    # names none first is not fixed, so it is refused; one naming a rank is armed.
+    from replayer.replay.engines.connector.mooncake_session import StoreSession
+    from replayer.replay.store import StoreError, StoreSpec
+
+    session = StoreSession(StoreSpec("memory"))
+    try:
+        session.concurrent_ranks = True
+        from types import SimpleNamespace
+
+        rank = SimpleNamespace(worker=SimpleNamespace(kv_send_thread=None))
+        session.ranks = [rank, rank]
+        with pytest.raises(StoreError, match="names no rank.*2 ranks run at once"):
+            session.arm_fault("put", (("a", 0, None, None),), -900, 1, 3)
+        session.arm_fault("put", (("a", 0, None, 1),), -900, 1, 3)
+        assert [f.selectors for f in session.ops.faults] == [(("a", 0, None, 1),)]
+    finally:
+        session.ranks = []
+        session.close()
