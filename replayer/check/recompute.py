@@ -173,10 +173,12 @@ def contract(refs: References, rid: str, largest: float) -> tuple[str, float]:
 
 
 def recompute_check(trace: Trace, result: ReplayResult, replay: Callable[..., ReplayResult],
-                    log: ScheduleLog, topk: int = TOPK) -> RecomputeReport:
+                    log: ScheduleLog, topk: int = TOPK,
+                    side: Callable[..., ReplayResult] | None = None) -> RecomputeReport:
     """Every hit of ``result`` (:func:`hit_replay`'s, whose schedule ``log`` holds)
     held to its hit-shaped reference, and beside it to the looser one; ``replay``
-    replays a trace on the same engine and worker. Fails closed
+    replays a trace on the same engine and worker, ``side`` too, at the same time
+    as ``replay`` (the looser reference runs there, side by side). Fails closed
     (:class:`DivergenceError`): a hit the recompute lacks, or any comparison that
     cannot be made."""
     try:
@@ -185,7 +187,9 @@ def recompute_check(trace: Trace, result: ReplayResult, replay: Callable[..., Re
             return RecomputeReport(0.0, 0, [], topk=topk)
         refs = references(trace, result, ids,
                           lambda t, **kw: replay(asking_distributions(t, topk), **kw),
-                          log, log.hit_path)
+                          log, log.hit_path,
+                          None if side is None else
+                          lambda t, **kw: side(asking_distributions(t, topk), **kw))
     finally:
         log.close()
     served, shaped, looser = result.by_id(), recomputed(ids, refs.shaped), recomputed(ids, refs.looser)

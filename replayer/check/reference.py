@@ -12,7 +12,9 @@ exactly there, so it computes the same tokens the same way without any cache.
 Where every chunk is reproduced (the log of the reference says so) the hit must
 equal it bit for bit. The **looser reference** is the cold run at the trace's
 own chunking, batched as the hits were; its tolerance is the largest difference
-between the two cold chunkings (looser vs hit-shaped).
+between the two cold chunkings (looser vs hit-shaped). Neither reference reads
+the other, so given a second engine process they run side by side, one
+intra-op thread each.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import math
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -271,22 +274,33 @@ class References:
 
 def references(trace: Trace, result: ReplayResult, ids: list[str],
                replay: Callable[..., ReplayResult], log: ScheduleLog, hit_log: Path,
-               ) -> References:
-    """Both references of ``ids`` (hits of ``result``, whose schedule is ``hit_log``)."""
+               side: Callable[..., ReplayResult] | None = None) -> References:
+    """Both references of ``ids`` (hits of ``result``, whose schedule is ``hit_log``).
+    They do not depend on each other: given ``side`` (a replay that may run while
+    ``replay`` does: another engine process), the looser one runs there at the
+    same time, each at one thread in its own process; else one after the other.
+    Either way the same two results."""
     wanted = shapes(trace, result, ids, log.read(hit_log))
     cuts = {rid: list(s.cuts) for rid, s in wanted.items() if s.cuts}
     hook, path = log.hook(cuts)
-    shaped = replay(cold_trace(trace, ids), recorder=hook)
+    arrivals = {r.id: r.arrival_step for r in result.requests}
+    chunk = trace.sized_engine().max_num_batched_tokens or 2048
+    loose_hook, _ = log.hook()
+    loose_trace = cold_trace(trace, ids, chunk, arrivals)
+    if side is None:
+        shaped = replay(cold_trace(trace, ids), recorder=hook)
+        looser = replay(loose_trace, recorder=loose_hook)
+    else:
+        with ThreadPoolExecutor(max_workers=1) as pool:   # waits for it, even on an error
+            later = pool.submit(side, loose_trace, recorder=loose_hook)
+            shaped = replay(cold_trace(trace, ids), recorder=hook)
+            looser = later.result()
     done = log.read(path)
     for rid, s in wanted.items():
         got = tuple(c.start for c in _prefill(done.get(rid, []), s.prompt_len) or [])[1:]
         if s.why is None and got != s.cuts:
             wanted[rid] = dataclasses.replace(
                 s, why=f"its reference was chunked at {list(got)[:8]}, not at {list(s.cuts)[:8]}")
-    arrivals = {r.id: r.arrival_step for r in result.requests}
-    chunk = trace.sized_engine().max_num_batched_tokens or 2048
-    hook, _ = log.hook()
-    looser = replay(cold_trace(trace, ids, chunk, arrivals), recorder=hook)
     a, b = shaped.by_id(), looser.by_id()
     # Every position and measure a verdict compares (fails closed like it).
     tolerance = max((largest_difference(a[rid], b[rid]) for rid in ids), default=0.0)

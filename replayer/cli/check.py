@@ -120,10 +120,19 @@ def check_each(args, engine, traces: list, reports: dict[str, Any]) -> int:
     against its goldens, and with --recompute (or ``expect_recompute`` on the
     model worker) every hit against its recompute, whose report lands in ``reports``."""
     from replayer.replay.engines import UnsupportedByEngine
-    from replayer.replay.execution.clients import engine_runner
+    from argparse import Namespace
+    from contextlib import ExitStack
+
+    from replayer.replay.execution.clients import beside, engine_runner
 
     worst = EXIT_OK
-    with engine_runner(engine) as run:              # one engine process for every target
+    with engine_runner(engine) as run, ExitStack() as stack:   # one engine process for all
+        side = None
+        if any(args.recompute or (t.expect_recompute and args.worker == "model")
+               for _, t in traces):         # the looser reference's, side by side (reference.py)
+            side_run = stack.enter_context(beside(run))
+            quiet = Namespace(**{**vars(args), "no_progress": True})   # one bar on stderr
+            side = lambda t, **kw: replay_target(t, quiet, side_run, **kw)  # noqa: E731
         for path, trace in traces:
             recompute = args.recompute or (trace.expect_recompute and args.worker == "model")
             replay = lambda t, **kw: replay_target(t, args, run, **kw)  # noqa: E731
@@ -144,7 +153,7 @@ def check_each(args, engine, traces: list, reports: dict[str, Any]) -> int:
             if recompute:
                 from replayer.check.recompute import recompute_check, report_lines
 
-                report = recompute_check(trace, result, replay, log, topk(args))
+                report = recompute_check(trace, result, replay, log, topk(args), side)
                 print("\n".join(report_lines(path, report)), flush=True)
                 reports[str(path)] = report.as_dict()
                 if report.wrong:

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from replayer.replay.execution.in_process import replay_here
+from replayer.replay.execution.in_process import import_ahead, replay_here
 from replayer.replay.execution.wire import Job, answer_frames, recv
 
 
@@ -24,6 +24,10 @@ def serve(answer_fd: int) -> int:
     if level:
         logging.getLogger("vllm").setLevel(level.upper())
     engine = recv(jobs)
+    try:
+        import_ahead(engine)        # a model worker's imports, before its first job
+    except Exception:  # noqa: BLE001 - the first job's build meets it again and answers it
+        pass
     while True:
         job: Job | None = recv(jobs)
         if job is None:

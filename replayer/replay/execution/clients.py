@@ -142,6 +142,25 @@ def engine_runner(spec: Spec = INSTALLED, *, own_process: bool = False,
         client.close()
 
 
+@contextmanager
+def beside(client: EngineClient) -> Iterator[EngineClient]:
+    """A client whose replays may run at the same time as ``client``'s, for the
+    ``with`` block: ``client`` itself where its replays run side by side (the
+    warm server's forks of a null-executor engine; it forks one model worker at
+    a time, whose torch takes every core), else a second engine process of the
+    same engine, started now so that its imports overlap what ``client`` does
+    meanwhile (``check --recompute``'s two references), closed after the block."""
+    if client.parallel and client.info.worker != "model":
+        yield client
+        return
+    side = cold_client(client.engine, own_process=True,   # type: ignore[attr-defined]
+                       env_defaults=getattr(client, "_env_defaults", None))
+    try:
+        yield side
+    finally:
+        side.close()
+
+
 def replay_on(trace: Trace, spec: Spec = INSTALLED, **kwargs: Any) -> ReplayResult:
     """One replay of ``trace`` on ``spec`` (its engine process, if any, ends with it)."""
     with engine_runner(spec) as run:

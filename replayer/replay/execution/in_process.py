@@ -48,17 +48,7 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
     refuse_unsupported(trace)
     engine = trace.sized_engine()
     resolved = resolve(spec)
-    if resolved.worker == "model":
-        # Triton's interpreter must be chosen before Triton is first imported
-        # (replayer.replay.engines.worker.kernels); harmless where no kernel needs it.
-        import os
-        import sys
-
-        from replayer.replay.engines.worker.kernels import interpreter_env
-
-        if "triton" not in sys.modules:
-            os.environ.update(interpreter_env())
-        _freeze_imported_heap(resolved)
+    import_ahead(resolved)
     # Importing vLLM (first use) and building its engine allocate millions of
     # objects that all survive: fewer GC passes over them (.gc_tuning).
     _run_planted()
@@ -69,6 +59,26 @@ def engine_here(trace: Trace, spec: Spec = INSTALLED, *, store: Any = None,
         yield adapter
     finally:
         adapter.close()
+
+
+def import_ahead(engine: ResolvedEngine) -> None:
+    """A model worker's imports (vLLM's executor and runner, the kernels under
+    Triton's interpreter), made and frozen before its first engine is built; a
+    child process calls it as soon as it knows its engine, so that its imports
+    overlap its parent's work (``check --recompute``'s second engine process).
+    Nothing for the null executor, whose imports are light. Once per process."""
+    if engine.worker != "model":
+        return
+    # Triton's interpreter must be chosen before Triton is first imported
+    # (replayer.replay.engines.worker.kernels); harmless where no kernel needs it.
+    import os
+    import sys
+
+    from replayer.replay.engines.worker.kernels import interpreter_env
+
+    if "triton" not in sys.modules:
+        os.environ.update(interpreter_env())
+    _freeze_imported_heap(engine)
 
 
 def _freeze_imported_heap(engine: ResolvedEngine) -> None:
