@@ -360,6 +360,36 @@ def test_a_hit_missing_from_its_recompute_fails_closed():
             recomputed(["r"], ReplayResult(engine=served.engine, requests=requests, steps=1))
 
 
+def test_the_looser_reference_gets_a_second_engine_process_closed_after_it(monkeypatch):
+    """clients.beside: the warm server's null-executor forks run side by side, so its
+    client serves both references; every other client (a cold one, or the warm server's
+    model worker, forked one at a time) gets a fresh process of the same engine."""
+    from types import SimpleNamespace
+
+    from replayer.replay.execution import clients
+
+    class Fake:
+        def __init__(self, parallel: bool, worker: str) -> None:
+            self.parallel, self.info = parallel, SimpleNamespace(worker=worker)
+            self.engine, self.closed = object(), False
+
+        def close(self) -> None:
+            self.closed = True
+
+    opened = []
+    monkeypatch.setattr(clients, "cold_client", lambda engine, **kw: opened.append(
+        (engine, kw)) or Fake(False, "model"))
+    warm_null = Fake(True, "null")
+    with clients.beside(warm_null) as side:
+        assert side is warm_null
+    assert not opened and not warm_null.closed
+    for client in (Fake(False, "model"), Fake(True, "model")):
+        with clients.beside(client) as side:
+            assert side is not client and not side.closed
+        assert side.closed and not client.closed
+        assert opened[-1][0] is client.engine and opened[-1][1]["own_process"]
+
+
 def replace_id(outcome, rid):
     from dataclasses import replace
 
