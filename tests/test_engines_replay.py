@@ -140,3 +140,22 @@ def test_store_fixture_replays_on_0320_through_the_store_adapter():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("PASS fixtures/store/resend_after_reset.yaml: 6 request(s)")
     assert "store: " in proc.stdout and "FAIL" not in proc.stdout
+
+
+def test_0320_finds_an_mtp_drafters_group_by_its_last_layer():
+    """0.31 and 0.32 flag the group holding the last registered KV layer as an MTP
+    drafter's (``_annotate_eagle_groups``); a real drafter registers after the
+    target, so the null executor lists the draft's layer last. With a twin last,
+    0.32 flagged the window group and hit 32, 0 and 64 here, 0.29's fallback."""
+    from replayer.replay.engines.engine_config import plan_layers
+
+    engine = load_target(SCENARIOS / "mtp_draft_group.yaml").engine
+    assert [p.draft for p in plan_layers(engine, 2)] == [False, False, False, True]
+    goldens = load_target(SCENARIOS / "mtp_draft_group.yaml").goldens
+    again = {v: goldens[f"vllm=={v}"]["b97_again"]["num_cached_tokens"]
+             for v in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")}
+    assert again == {"0.29.0": 32, "0.30.0": 32, "0.31.0": 64, "0.32.0": 64, "0.33.0": 64}
+    proc = cli("check", "--engine", "vllm==0.32.0", "fixtures/scenarios/mtp_draft_group.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("PASS fixtures/scenarios/mtp_draft_group.yaml: 6 request(s)")
+    assert "no is_draft" not in proc.stderr

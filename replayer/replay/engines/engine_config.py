@@ -362,7 +362,12 @@ def plan_layers(engine: EngineBlock, dtype_bytes: int) -> list[LayerPlan]:
     so that every group holds the same number of layers, as vLLM's grouping
     assumes. ``speculative.draft_group`` names another group for the draft
     layer to join (a real draft's layer has its target's geometry, so it
-    lands in the group of that spec).
+    lands in the group of that spec). The draft layer comes last, as a real
+    drafter's do (vLLM loads the draft model after the target, and the runner's
+    ``get_kv_cache_spec`` lists layers in registration order): 0.31 and 0.32
+    find an MTP drafter's group by that alone (``_annotate_eagle_groups``: the
+    group holding the last registered layer), and a twin listed after it
+    would flag the twin's group instead.
     """
     groups = engine.kv_groups
     draft_index = None
@@ -387,9 +392,9 @@ def plan_layers(engine: EngineBlock, dtype_bytes: int) -> list[LayerPlan]:
                                attention_chunk_size=g.attention_chunk_size))
         if i == draft_index:
             draft = replace(plans[-1], name="draft.layers.0.attn", draft=True)
-            plans.append(draft)
     if draft is not None:
-        for p in [p for p in plans if not p.draft]:
+        for p in list(plans):
             if replace(p, name=draft.name, draft=True) != draft:
                 plans.append(replace(p, name=f"{p.name}.twin"))
+        plans.append(draft)
     return plans

@@ -21,11 +21,19 @@ reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
   no store adapter serves them and a connector trace is refused in one line
   (``check_connector``).
 
-* **KV-cache specs have no ``is_draft``** (0.33 added it). Nothing can mark the
-  draft model's layers, so vLLM flags every KV-cache group as an EAGLE group
-  (its own fallback; 0.31 and 0.32 log "no KV cache group could be identified
-  as the draft model's"). That is what production ran: the draft layer still
-  joins the first attention group, and the Mamba group is dropped from too.
+* **KV-cache specs have no ``is_draft``** (0.33 added it). Each release finds
+  the drafter's group its own way (``_annotate_eagle_groups`` in
+  ``v1/core/kv_cache_utils.py``): Kimi-K3 DSpark's MLA marker
+  (``non_causal_multi_token_decode``, 0.29 on); the group holding the last
+  registered layer, for DeepSeek-V4 (0.26 on) and, from 0.31, for any MTP
+  drafter. An EAGLE drafter on a model of neither kind is found by none of
+  them, so vLLM flags every KV-cache group as an EAGLE group (its own fallback;
+  0.31 and 0.32 log "no KV cache group could be identified as the draft
+  model's"). That is what production ran: the draft layer still joins the
+  first attention group, and the Mamba group is dropped from too. The null
+  executor lists the draft's layer last, as a real drafter registers
+  (``plan_layers``), so an MTP trace on 0.31 and 0.32 gets the group its draft
+  layer joined (``fixtures/scenarios/mtp_draft_group.yaml``).
 * **No lookahead block hashes.** ``SpeculativeConfig`` has no
   ``disable_lookahead_block_hashes`` (0.33 added the hashes and the flag), so
   with EAGLE the trailing block is always dropped (0.30-0.32 have
@@ -55,8 +63,9 @@ reading each wheel's ``vllm/v1/core``, ``v1/engine/core.py``,
   (0.29 exports the state at the last block boundary inside a chunk that ends
   mid-block; 0.30 and 0.31 at the hash-unit boundary ``(n - 1) // H * H`` of
   the chunk's end n, less H under EAGLE; 0.32 from ``n`` itself).
-* **``speculative.draft_group``** needs ``is_draft``: here every group is an
-  EAGLE group whichever group the draft layer joins (a note says so).
+* **``speculative.draft_group``** needs ``is_draft`` for EAGLE: every group is
+  an EAGLE group whichever group the draft layer joins (a note says so); an
+  MTP draft's group is found by position on 0.31 and 0.32 (no note there).
 
 Under the sources of 0.29.0 the #51295 pair shows the production miss as
 upstream reported it (turn 2 hits 23040 after a 24576-token turn 1, and 0
@@ -229,6 +238,14 @@ def layer_specs(engine: EngineBlock) -> dict[str, KVCacheSpec]:
     return {p.name: kv_spec(p, engine) for p in plan_layers(engine, DTYPE.itemsize)}
 
 
+def finds_mtp_group(engine: EngineBlock, version: str) -> bool:
+    """Whether release ``version`` finds this trace's draft group itself: from
+    0.31 an MTP drafter's group is the one holding the last registered layer
+    (``_uses_trailing_mtp_layers``), which the null executor lists last."""
+    spec = engine.speculative
+    return spec is not None and spec.method == "mtp" and _minor(version) >= (0, 31)
+
+
 def missing_settings(engine: EngineBlock, version: str, dropped: list[str]) -> list[str]:
     """One note per trace setting release ``version`` runs otherwise than 0.33:
     the ones ``--allow-missing`` let it drop, vLLM 0.33's defaults it lacks,
@@ -241,7 +258,8 @@ def missing_settings(engine: EngineBlock, version: str, dropped: list[str]) -> l
             engine, "speculative.disable_lookahead_block_hashes")[0]:
         notes.append(f"vLLM {version} has no lookahead block hashes: replayed with the EAGLE "
                      "drop on (engine.speculative.disable_lookahead_block_hashes is 0.33's)")
-    if spec is not None and spec.draft_group is not None:
+    if spec is not None and spec.draft_group is not None and not finds_mtp_group(
+            engine, version):
         notes.append(f"vLLM {version} has no is_draft: every KV-cache group is an EAGLE "
                      "group, so engine.speculative.draft_group only places the draft layer "
                      "(it is 0.33's)")
