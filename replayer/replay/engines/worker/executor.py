@@ -30,7 +30,7 @@ from replayer.replay.engines.base import EngineError
 from replayer.replay.engines.core_driver import _BUILDING
 from replayer.replay.engines.kv_kinds import spec_kind
 from replayer.replay.engines.worker import attention
-from replayer.replay.engines.worker.forced import ForcedTokens
+from replayer.replay.engines.worker.forced import forced_for
 from replayer.replay.engines.worker.models import WorkerModels, check_groups, worker_models
 from traces.model.engine_spec import EngineBlock
 
@@ -134,11 +134,7 @@ class ModelExecutor(UniProcExecutor):
 
     def _init_executor(self) -> None:
         self.adapter = _BUILDING.get()
-        adapter = self.adapter
-        vocab = self.vllm_config.model_config.get_vocab_size()
-        self.forced = ForcedTokens(
-            adapter._outputs, lambda rid: adapter.scheduler.requests[rid].num_output_tokens,
-            vocab)
+        self.forced = forced_for(self.adapter, self.vllm_config)
         super()._init_executor()
         self.runner = self.driver_worker.worker.model_runner
         self.forced.install(self.runner)

@@ -161,3 +161,11 @@ class ForcedTokens:
                     true[keep] = (true[keep] + 1) % self.vocab_size
             out.append(true)
         return out
+
+
+def forced_for(adapter: Any, vllm_config: Any) -> ForcedTokens:
+    """The trace's tokens for the engine ``adapter`` builds, as every executor here forces them
+    (one process or each rank): outputs from the trace, counts from vLLM's own requests."""
+    return ForcedTokens(
+        adapter._outputs, lambda rid: adapter.scheduler.requests[rid].num_output_tokens,
+        vllm_config.model_config.get_vocab_size())

@@ -37,7 +37,7 @@ from vllm.v1.outputs import DraftTokenIds
 from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.core_driver import _BUILDING
 from replayer.replay.engines.worker.executor import refuse_oversized_cache
-from replayer.replay.engines.worker.forced import ForcedTokens
+from replayer.replay.engines.worker.forced import forced_for
 
 def executor_class(engine: Any) -> type:
     """The model worker's executor for ``engine``: one rank in process (vLLM's
@@ -61,12 +61,8 @@ class RankExecutor(MultiprocExecutor):
 
     def _init_executor(self) -> None:
         self.adapter = _BUILDING.get()
-        adapter = self.adapter
-        vocab = self.vllm_config.model_config.get_vocab_size()
         # The draft seam runs here; the sampled tokens are forced in each rank.
-        self.forced = ForcedTokens(
-            adapter._outputs, lambda rid: adapter.scheduler.requests[rid].num_output_tokens,
-            vocab)
+        self.forced = forced_for(self.adapter, self.vllm_config)
         self._sent: set[str] = set()
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self._before_ranks_start()
