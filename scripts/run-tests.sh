@@ -15,6 +15,9 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 # In-process replays (replay_on in a test) take the CLI's pinned interpreter hash seed.
 export PYTHONHASHSEED=0
+# check --recompute's two references one after the other: two xdist workers
+# already take both cores, and a second engine process costs its own start.
+export PREFIX_REPLAYER_SERIAL_REFERENCES=1
 
 # One warm server for the whole run, in a runtime directory of its own: every
 # CLI call, the plugin and replayer.pytest.testing replay on forks of engines imported

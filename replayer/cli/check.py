@@ -123,13 +123,14 @@ def check_each(args, engine, traces: list, reports: dict[str, Any]) -> int:
     from argparse import Namespace
     from contextlib import ExitStack
 
-    from replayer.replay.execution.clients import beside, engine_runner
+    from replayer.replay.execution.clients import beside, engine_runner, references_side_by_side
 
     worst = EXIT_OK
     with engine_runner(engine) as run, ExitStack() as stack:   # one engine process for all
         side = None
-        if any(args.recompute or (t.expect_recompute and args.worker == "model")
-               for _, t in traces):         # the looser reference's, side by side (reference.py)
+        if references_side_by_side() and any(
+                args.recompute or (t.expect_recompute and args.worker == "model")
+                for _, t in traces):        # the looser reference's, side by side (reference.py)
             side_run = stack.enter_context(beside(run))
             quiet = Namespace(**{**vars(args), "no_progress": True})   # one bar on stderr
             side = lambda t, **kw: replay_target(t, quiet, side_run, **kw)  # noqa: E731

@@ -20,6 +20,7 @@ is the same object, byte for byte, whichever ran it.
 
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -140,6 +141,16 @@ def engine_runner(spec: Spec = INSTALLED, *, own_process: bool = False,
         yield client
     finally:
         client.close()
+
+
+def references_side_by_side() -> bool:
+    """Whether ``check --recompute`` runs its two references at once (:func:`beside`).
+
+    Only worth it with a core to spare: the second engine process costs its own
+    start (vLLM's imports). ``PREFIX_REPLAYER_SERIAL_REFERENCES=1`` runs them one
+    after the other in the one process (the suite sets it: two xdist workers
+    already take both of CI's cores). The verdicts are the same bytes either way."""
+    return os.environ.get("PREFIX_REPLAYER_SERIAL_REFERENCES", "") in ("", "0")
 
 
 @contextmanager
