@@ -199,8 +199,19 @@ def update(path: Path, trace: Trace, result: ReplayResult) -> list[str]:
     path = Path(path)
     with _golden_lock(path):
         if is_scenario_path(path):
-            trace = compile_scenario(path)
+            trace = _with_goldens_on_disk(path, trace)
         return _update_locked(path, trace, result)
+
+
+def _with_goldens_on_disk(path: Path, trace: Trace) -> Trace:
+    """``trace`` with each kind's goldens as the file holds them now, over the ones it
+    was read with (an entry the caller set up, as shrink's engine keys, is kept)."""
+    import copy
+
+    on_disk, fresh = compile_scenario(path), copy.copy(trace)
+    for kind in (REQUEST, STORE, EVENTS):
+        setattr(fresh, kind.attr, {**getattr(trace, kind.attr), **getattr(on_disk, kind.attr)})
+    return fresh
 
 
 def _update_locked(path: Path, trace: Trace, result: ReplayResult) -> list[str]:
