@@ -19,7 +19,7 @@ import tempfile
 import types
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from vllm.config import VllmConfig
@@ -271,18 +271,7 @@ class StoreSession:
     def name_loaders(one: WorkerRank) -> None:
         """Each receive thread tells the recorder whose load it runs, so every get
         is filed under the request that fetched it (``expect_store.gets``)."""
-        recorder = one.recorder
-        for thread in one.worker.kv_recv_threads:
-            handle = thread._handle_request
-
-            def named(req_meta, handle=handle):
-                recorder.loading(req_meta.req_id)
-                try:
-                    return handle(req_meta)
-                finally:
-                    recorder.loading(None)
-
-            thread._handle_request = named
+        name_receive_threads(one.worker, one.recorder.loading)
 
     def remove(self, selectors: tuple[KeySelector, ...]) -> list[str]:
         """Remove the keys written so far that match each (request, group, boundary,
@@ -407,3 +396,20 @@ def _worker_copy(scheduler_output: Any) -> Any:
     own.kv_connector_metadata = copy.deepcopy(scheduler_output.kv_connector_metadata)
     own.finished_req_ids = set(scheduler_output.finished_req_ids)
     return own
+
+
+def name_receive_threads(worker: Any, loading: Callable[[str | None], None]) -> None:
+    """Each of ``worker``'s receive threads calls ``loading(request id)`` around the
+    load it runs (``None`` after), so every get is filed under its request: the
+    one-rank worker's recorder and each rank's store client alike."""
+    for thread in worker.kv_recv_threads:
+        handle = thread._handle_request
+
+        def named(req_meta, handle=handle):
+            loading(req_meta.req_id)
+            try:
+                return handle(req_meta)
+            finally:
+                loading(None)
+
+        thread._handle_request = named

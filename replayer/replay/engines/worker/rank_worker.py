@@ -106,6 +106,7 @@ class RankWorker(CPUWorker):
         from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
         from replayer.replay.engines.connector.mooncake_ranks import WorkerRank
+        from replayer.replay.engines.connector.mooncake_session import name_receive_threads
         from replayer.replay.engines.worker.store import StepOrder
 
         if len(made) != 1:
@@ -115,17 +116,7 @@ class RankWorker(CPUWorker):
         worker = connector.connector_worker
         self.store_client = made[0]
         StepOrder(WorkerRank(self.rank, connector, worker, made[0]), self.model_runner).install()
-        for thread in worker.kv_recv_threads:
-            handle = thread._handle_request
-
-            def named(req_meta, handle=handle, client=made[0]):
-                client.loading(req_meta.req_id)
-                try:
-                    return handle(req_meta)
-                finally:
-                    client.loading(None)
-
-            thread._handle_request = named
+        name_receive_threads(worker, made[0].loading)
 
     # -- what the parent's executor (.ranks) calls besides vLLM's own ----------
     def replayer_execute_model(self, scheduler_output: Any, outputs: dict[str, list[int]],
