@@ -79,6 +79,15 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
         block["long_prefill_token_threshold"] = int(sched.long_prefill_token_threshold)
     if any(g["kind"] == "mamba" for g in groups):
         block["mamba_cache_mode"] = str(cache.mamba_cache_mode)
+        # Layers that export a state inside a prefill chunk (Mamba2's MambaMixer2):
+        # where the scheduler ends a chunk depends on it.
+        alignments = {getattr(x.kv_cache_spec, "prefill_checkpoint_alignment", None)
+                      for x in kv_cache_config.kv_cache_groups
+                      if _group_kind(x.kv_cache_spec) is not None
+                      and _group_kind(x.kv_cache_spec)["kind"] == "mamba"
+                      and getattr(x.kv_cache_spec, "num_prefill_checkpoint_blocks", 0)}
+        if len(alignments) == 1 and None not in alignments:
+            block["mamba_prefill_checkpoint_alignment"] = int(alignments.pop())
     # None is a setting of its own (dense retention), not vLLM's default (0).
     retention = cache.prefix_cache_retention_interval
     block["prefix_cache_retention_interval"] = None if retention is None else int(retention)

@@ -171,6 +171,12 @@ class EngineBlock:
         "num_prefill_checkpoint_blocks and prefill_checkpoint_alignment as vLLM's "
         "KimiK3DeltaAttention sets them), flashinfer or triton (none); None: a plain "
         "Mamba spec", str))
+    mamba_prefill_checkpoint_alignment: int | None = field(default=None, metadata=_doc(
+        "with a Mamba group: its layers export a state inside a prefill chunk (vLLM's "
+        "MambaSpec num_prefill_checkpoint_blocks 1 and this prefill_checkpoint_alignment, "
+        "in tokens), as vLLM 0.32's and 0.33's Mamba2 layers do (MambaMixer2: 1), so the "
+        "scheduler need not end a chunk where a state is kept; None: no such export "
+        "(Kimi KDA layers: kda_prefill_backend says it)", int))
     vocab_size: int = field(default=DEFAULT_VOCAB_SIZE, metadata=_doc(
         "vocabulary of the synthetic tokens (default 32000)", int))
     connector: str | None = field(default=None, metadata=_doc(
@@ -544,5 +550,15 @@ def _build(where: str, raw: Any) -> EngineBlock:
             g.kind == "mamba" for g in groups):
         raise TraceError(where, "engine.kda_prefill_backend needs a mamba group in "
                                 "engine.kv_groups (the KDA layers it describes)")
+    if values.get("mamba_prefill_checkpoint_alignment") is not None:
+        _check_int(where, "mamba_prefill_checkpoint_alignment",
+                   values["mamba_prefill_checkpoint_alignment"])
+        if not any(g.kind == "mamba" for g in groups):
+            raise TraceError(where, "engine.mamba_prefill_checkpoint_alignment needs a mamba "
+                                    "group in engine.kv_groups (the layers that export)")
+        if values.get("kda_prefill_backend") is not None:
+            raise TraceError(where, "engine.mamba_prefill_checkpoint_alignment and "
+                                    "engine.kda_prefill_backend both set the Mamba layers' "
+                                    "prefill checkpoints: give one")
     speculative = None if spec is None else _speculative(where, spec, groups)
     return EngineBlock(kv_groups=groups, speculative=speculative, given=given, **values)

@@ -212,7 +212,11 @@ def kda_checkpoint_fields(engine: EngineBlock) -> dict[str, Any]:
     """What this release's Kimi KDA layer adds to its MambaSpec for
     ``engine.kda_prefill_backend`` (``KimiK3DeltaAttention.get_kv_cache_spec``):
     0.29 only ``num_prefill_checkpoint_blocks`` (its spec has no alignment);
-    0.30 the inline alignment; 0.31 and 0.32 vLLM's own function."""
+    0.30 the inline alignment; 0.31 and 0.32 vLLM's own function. With
+    ``engine.mamba_prefill_checkpoint_alignment`` (0.30 and later), that alignment."""
+    if engine.mamba_prefill_checkpoint_alignment is not None:
+        return {"num_prefill_checkpoint_blocks": 1,
+                "prefill_checkpoint_alignment": engine.mamba_prefill_checkpoint_alignment}
     backend = engine.kda_prefill_backend
     if backend is None:
         return {}
@@ -291,6 +295,10 @@ def open_engine(engine: EngineBlock, version: str, store: Any = None,
         raise UnsupportedByEngine(f"vllm {version}: engine.kda_prefill_backend: this "
                                   "release's MambaSpec has no prefill checkpoints (FlashKDA's "
                                   "came in 0.29)")
+    if engine.mamba_prefill_checkpoint_alignment is not None and _minor(version) < (0, 30):
+        raise UnsupportedByEngine(f"vllm {version}: engine.mamba_prefill_checkpoint_alignment: "
+                                  "this release's MambaSpec has no prefill_checkpoint_alignment "
+                                  "(0.30 added it)")
     if engine.speculative and any(g.kind == "chunked_local" for g in engine.kv_groups):
         # No is_draft: every group is an EAGLE group, and vLLM's chunked-local
         # lookup asserts the drop never reaches it.

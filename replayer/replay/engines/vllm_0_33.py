@@ -92,7 +92,11 @@ def kda_checkpoint_fields(engine: EngineBlock) -> dict[str, Any]:
     """What vLLM's Kimi KDA layer adds to its MambaSpec
     (``KimiK3DeltaAttention.get_kv_cache_spec``): with FlashKDA prefill, one
     internal prefill-checkpoint block at vLLM's own alignment, so a chunk can
-    publish a state inside itself instead of stopping at a block boundary."""
+    publish a state inside itself instead of stopping at a block boundary; with
+    ``engine.mamba_prefill_checkpoint_alignment``, that alignment (Mamba2's)."""
+    if engine.mamba_prefill_checkpoint_alignment is not None:
+        return {"num_prefill_checkpoint_blocks": 1,
+                "prefill_checkpoint_alignment": engine.mamba_prefill_checkpoint_alignment}
     if engine.kda_prefill_backend is None:
         return {}
     from vllm.model_executor.layers.mamba.kda_checkpoint import (
