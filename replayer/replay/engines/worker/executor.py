@@ -30,8 +30,15 @@ from replayer.replay.engines.base import EngineError
 from replayer.replay.engines.core_driver import _BUILDING
 from replayer.replay.engines.kv_kinds import spec_kind
 from replayer.replay.engines.worker import attention
+from replayer.replay.engines.worker.architectures import kimi_linear
+from replayer.replay.engines.worker.architectures import nemotron_h
 from replayer.replay.engines.worker.forced import forced_for
-from replayer.replay.engines.worker.models import WorkerModels, check_groups, worker_models
+from replayer.replay.engines.worker.models import (
+    WorkerModels,
+    check_checkpoints,
+    check_groups,
+    worker_models,
+)
 from traces.model.engine_spec import EngineBlock
 
 # The share of this machine's free memory the KV cache may take.
@@ -75,6 +82,10 @@ def model_args(engine: EngineBlock, label: str) -> ModelArgs:
 
         interpret_kernels(label)
         pack_index_args()
+    if models.architecture == nemotron_h.ARCHITECTURE:
+        nemotron_h.install(label)        # its chunk-state seam and checkpoint kernel
+    if models.architecture == kimi_linear.TARGET_ARCH:
+        kimi_linear.install(label)       # AMX, its config class, the KDA kernels interpreted
     # Per rank: at TP N each rank's worker checks its own share against free memory.
     share = int(free_memory() * MEMORY_SHARE) // engine.tensor_parallel_size
     return ModelArgs(models, share)
@@ -85,6 +96,10 @@ def check_built(scheduler: Any, engine: EngineBlock, label: str) -> None:
     groups = scheduler.kv_cache_config.kv_cache_groups
     check_groups(engine, [(spec_kind(g.kv_cache_spec), g.kv_cache_spec.block_size)
                           for g in groups], label)
+    check_checkpoints(engine, [getattr(g.kv_cache_spec, "prefill_checkpoint_alignment", None)
+                               if getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0)
+                               else None for g in groups
+                               if spec_kind(g.kv_cache_spec) == "mamba"], label)
 
 
 def model_core(engine: EngineBlock, version: str, config_for: Callable[[ModelArgs], Any],

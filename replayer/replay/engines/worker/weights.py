@@ -56,6 +56,10 @@ def _value(name: str, shape: torch.Size, gemma_norm: bool, plain_norm: bool) -> 
         # initialiser's A in [1, 16] it is forgotten within a few tokens, and a
         # wrong state could never show).
         return torch.log(torch.empty(shape).uniform_(1e-4, 1e-3, generator=g))
+    if leaf == "A":
+        # Mamba2's A as vLLM holds it after loading (-exp(A_log)): the same slow
+        # decay; the plain ones below would grow the state each token.
+        return -torch.empty(shape).uniform_(1e-4, 1e-3, generator=g)
     if leaf == "dt_bias":
         return torch.zeros(shape)
     if len(shape) < 2:
@@ -117,6 +121,9 @@ def register() -> str:
         """vLLM's dummy loader with the replay's seeded values (module docstring)."""
 
         def load_weights(self, model, model_config) -> None:  # noqa: ANN001
+            from replayer.replay.engines.worker.architectures.drafts import finish_load
+
             fill(model)
+            finish_load(model)          # what the model's load_weights does after
 
     return LOAD_FORMAT
