@@ -41,8 +41,6 @@ from typing import Any
 
 from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.worker.architectures import nemotron_h
-from replayer.replay.engines.worker.architectures import drafts
-from replayer.replay.engines.worker.architectures import kimi_linear
 from traces.model.engine_spec import EngineBlock
 
 # Qwen3-Next's gated DeltaNet on vLLM's CPU kernels (bf16 only: "CPU GDN
@@ -103,11 +101,9 @@ def refusal(engine: EngineBlock) -> str | None:
     """Why the model worker cannot replay ``engine`` (None: it can): what no tiny
     model here can take, known before vLLM is imported."""
     kinds = [g.kind for g in engine.kv_groups]
-    if kimi_linear.serves(set(kinds)):
-        return kimi_linear.refusal(engine)
     if engine.model == "kimi-k3" or engine.kda_prefill_backend is not None:
-        return ("Kimi-K3's shape (engine.model, engine.kda_prefill_backend) without an "
-                "MLA group (the tiny KDA model here has MLA beside it)")
+        return ("Kimi-K3's shape (engine.model, engine.kda_prefill_backend): "
+                "no tiny model here has KDA layers or FlashKDA's checkpoints")
     if engine.decode_context_parallel_size != 1:
         return (f"decode_context_parallel_size {engine.decode_context_parallel_size}: "
                 + DCP_ON_CPU)
@@ -137,9 +133,11 @@ def refusal(engine: EngineBlock) -> str | None:
                 "small evicts by bytes of the null executor's KV blocks, and a tiny "
                 "model's blocks hold other bytes")
     spec = engine.speculative
-    why = drafts.refusal(engine)
-    if why is not None:
-        return why
+    if spec is not None and spec.method != "eagle":
+        return (f"speculative method {spec.method} (only EAGLE has a tiny draft "
+                "for these targets: MTP, DFlash and DSpark drafts are layers of "
+                "the target's own architecture, and DSpark runs only on vLLM's "
+                "V2 model runner)")
     if spec is not None and spec.draft_group is not None:
         return ("speculative.draft_group (a real draft's layer joins the group "
                 "of its own spec)")
@@ -185,8 +183,6 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
               "rope_theta": 10000.0, "tie_word_embeddings": False,
               "num_hidden_layers": len(layers)}
     tp = engine.tensor_parallel_size
-    if kimi_linear.serves(set(layers)):
-        return kimi_linear.target_config(engine, layers)
     if "mamba" in layers and "full_attention" not in layers:
         window = next(g.sliding_window for g in engine.kv_groups
                       if g.kind == "sliding_window")
@@ -229,10 +225,7 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
 
 def draft_config(target: dict[str, Any]) -> dict[str, Any]:
     """A one-layer EAGLE head (Llama) as wide as the target, its attention shaped
-    as the target's so that its layer joins the target's attention group (an MLA
-    target's: :func:`kimi_linear.draft_config`)."""
-    if target["architectures"] == [kimi_linear.TARGET_ARCH]:
-        return kimi_linear.draft_config(target)
+    as the target's so that its layer joins the target's attention group."""
     return {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama",
             "hidden_size": target["hidden_size"], "intermediate_size": 128,
             "num_attention_heads": target["num_attention_heads"],
@@ -274,21 +267,12 @@ def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
     from replayer.replay.engines.engine_config import TARGET_MODEL, WIDE_TARGET_MODEL
 
     target, dtype = target_config(engine)
-    spec = engine.speculative
-    if drafts.draft_in_target(engine):
-        target = drafts.with_mtp(target, spec.mtp_modules, label)    # the draft: its MTP layers
-    name = (WIDE_TARGET_MODEL if engine.tensor_parallel_size > 2 else TARGET_MODEL).name
-    if engine.model == "kimi-k3":
-        name = "kimi-k3"                     # the null executor's (engine_config.KIMI_K3_MODEL)
-    path = _write_once(root, target, name)
     draft = None
-    if drafts.draft_in_target(engine):
-        draft = path
-    elif spec is not None and spec.method == "dflash":
-        draft = _write_once(root, drafts.dflash_config(target, spec.num_speculative_tokens))
-    elif spec is not None:
+    if engine.speculative is not None:
         draft = _write_once(root, draft_config(target))
-    return WorkerModels(path, draft, dtype, target["architectures"][0])
+    name = (WIDE_TARGET_MODEL if engine.tensor_parallel_size > 2 else TARGET_MODEL).name
+    return WorkerModels(_write_once(root, target, name), draft, dtype,
+                        target["architectures"][0])
 
 
 def check_groups(engine: EngineBlock, made: list[tuple[str, int]], label: str) -> None:
