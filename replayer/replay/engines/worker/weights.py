@@ -121,6 +121,9 @@ def register() -> str:
         """vLLM's dummy loader with the replay's seeded values (module docstring)."""
 
         def load_weights(self, model, model_config) -> None:  # noqa: ANN001
+            from replayer.replay.engines.worker.architectures.drafts import finish_load
+
             fill(model)
+            finish_load(model)          # what the model's load_weights does after
 
     return LOAD_FORMAT
