@@ -390,6 +390,40 @@ def test_the_looser_reference_gets_a_second_engine_process_closed_after_it(monke
         assert opened[-1][0] is client.engine and opened[-1][1]["own_process"]
 
 
+def test_the_hit_replay_computes_prompt_rows_for_its_hits_only():
+    """chunk_cuts._prompt_rows: with hits_only, the runner's own method sees no chunk
+    of a request whose first chunk started at 0 (no hit: none of its rows is
+    compared), every chunk of one that hit, and its other arguments as given; the
+    undo, or a later replay's install, puts the runner's own method back."""
+    from types import SimpleNamespace
+
+    from replayer.check.chunk_cuts import _prompt_rows
+
+    class Runner:
+        def __init__(self) -> None:
+            self.num_prompt_logprobs = {"cold": 20, "hit": 20}
+            self.requests = {"cold": SimpleNamespace(num_computed_tokens=0),
+                             "hit": SimpleNamespace(num_computed_tokens=512)}
+            self.seen: list[tuple[object, dict[str, int]]] = []
+
+        def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
+            self.seen.append((hidden_states, dict(num_scheduled_tokens)))
+            return {}
+
+    own = Runner.__dict__["_get_prompt_logprobs_dict"]
+    undo = _prompt_rows(True, Runner)
+    runner = Runner()
+    runner._get_prompt_logprobs_dict("h0", {"cold": 8192, "hit": 100, "other": 4})
+    runner.requests["cold"].num_computed_tokens = 8192      # its next chunk: still none
+    runner._get_prompt_logprobs_dict("h1", {"cold": 8192})
+    assert runner.seen == [("h0", {"hit": 100, "other": 4}), ("h1", {})]
+    undo()
+    assert Runner.__dict__["_get_prompt_logprobs_dict"] is own
+    _prompt_rows(True, Runner)                                # left by a failed build
+    _prompt_rows(False, Runner)()
+    assert Runner.__dict__["_get_prompt_logprobs_dict"] is own
+
+
 def replace_id(outcome, rid):
     from dataclasses import replace
 

@@ -151,9 +151,10 @@ def asking_distributions(trace: Trace, topk: int = TOPK) -> Trace:
 def hit_replay(trace: Trace, replay: Callable[..., ReplayResult], topk: int = TOPK
                ) -> tuple[ReplayResult, ScheduleLog]:
     """The replay whose hits :func:`recompute_check` checks: asked for its
-    distributions, at one thread, its chunks logged (:mod:`.chunk_cuts`)."""
+    distributions (the prompt rows of its hits only), at one thread, its chunks
+    logged (:mod:`.chunk_cuts`)."""
     log = ScheduleLog()
-    hook, log.hit_path = log.hook()
+    hook, log.hit_path = log.hook(hits_only=True)
     try:
         return replay(asking_distributions(trace, topk), recorder=hook), log
     except BaseException:

@@ -90,11 +90,13 @@ class ScheduleLog:
         self.dir = Path(tempfile.mkdtemp(prefix="replayer-recompute-"))
         self._n = 0
 
-    def hook(self, cuts: dict[str, list[int]] | None = None) -> tuple[Any, Path]:
-        """A replay's ``recorder`` (one thread, log, cuts), and where its log goes."""
+    def hook(self, cuts: dict[str, list[int]] | None = None,
+             hits_only: bool = False) -> tuple[Any, Path]:
+        """A replay's ``recorder`` (one thread, log, cuts; ``hits_only``: prompt
+        rows for the requests that hit only), and where its log goes."""
         self._n += 1
         path = self.dir / f"{self._n}.jsonl"
-        return partial(install, str(path), cuts), path
+        return partial(install, str(path), cuts, hits_only), path
 
     @staticmethod
     def read(path: Path) -> dict[str, list[Chunk]]:
