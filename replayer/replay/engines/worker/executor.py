@@ -30,6 +30,7 @@ from replayer.replay.engines.base import EngineError
 from replayer.replay.engines.core_driver import _BUILDING
 from replayer.replay.engines.kv_kinds import spec_kind
 from replayer.replay.engines.worker import attention
+from replayer.replay.engines.worker.architectures import kimi_linear
 from replayer.replay.engines.worker.architectures import nemotron_h
 from replayer.replay.engines.worker.forced import forced_for
 from replayer.replay.engines.worker.models import (
@@ -83,6 +84,8 @@ def model_args(engine: EngineBlock, label: str) -> ModelArgs:
         pack_index_args()
     if models.architecture == nemotron_h.ARCHITECTURE:
         nemotron_h.install(label)        # its chunk-state seam and checkpoint kernel
+    if models.architecture == kimi_linear.TARGET_ARCH:
+        kimi_linear.install(label)       # AMX, its config class, the KDA kernels interpreted
     # Per rank: at TP N each rank's worker checks its own share against free memory.
     share = int(free_memory() * MEMORY_SHARE) // engine.tensor_parallel_size
     return ModelArgs(models, share)

@@ -41,6 +41,7 @@ from typing import Any
 
 from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.worker.architectures import drafts
+from replayer.replay.engines.worker.architectures import kimi_linear
 from replayer.replay.engines.worker.architectures import nemotron_h
 from traces.model.engine_spec import EngineBlock
 
@@ -102,9 +103,11 @@ def refusal(engine: EngineBlock) -> str | None:
     """Why the model worker cannot replay ``engine`` (None: it can): what no tiny
     model here can take, known before vLLM is imported."""
     kinds = [g.kind for g in engine.kv_groups]
+    if kimi_linear.serves(set(kinds)):
+        return kimi_linear.refusal(engine)
     if engine.model == "kimi-k3" or engine.kda_prefill_backend is not None:
-        return ("Kimi-K3's shape (engine.model, engine.kda_prefill_backend): "
-                "no tiny model here has KDA layers or FlashKDA's checkpoints")
+        return ("Kimi-K3's shape (engine.model, engine.kda_prefill_backend) without an "
+                "MLA group (the tiny KDA model here has MLA beside it)")
     if engine.decode_context_parallel_size != 1:
         return (f"decode_context_parallel_size {engine.decode_context_parallel_size}: "
                 + DCP_ON_CPU)
@@ -182,6 +185,8 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
               "rope_theta": 10000.0, "tie_word_embeddings": False,
               "num_hidden_layers": len(layers)}
     tp = engine.tensor_parallel_size
+    if kimi_linear.serves(set(layers)):
+        return kimi_linear.target_config(engine, layers)
     if "mamba" in layers and "full_attention" not in layers:
         window = next(g.sliding_window for g in engine.kv_groups
                       if g.kind == "sliding_window")
@@ -224,7 +229,10 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
 
 def draft_config(target: dict[str, Any]) -> dict[str, Any]:
     """A one-layer EAGLE head (Llama) as wide as the target, its attention shaped
-    as the target's so that its layer joins the target's attention group."""
+    as the target's so that its layer joins the target's attention group (an MLA
+    target's: :func:`kimi_linear.draft_config`)."""
+    if target["architectures"] == [kimi_linear.TARGET_ARCH]:
+        return kimi_linear.draft_config(target)
     return {"architectures": ["EagleLlamaForCausalLM"], "model_type": "llama",
             "hidden_size": target["hidden_size"], "intermediate_size": 128,
             "num_attention_heads": target["num_attention_heads"],
@@ -270,6 +278,8 @@ def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
     if drafts.draft_in_target(engine):
         target = drafts.with_mtp(target, spec.mtp_modules, label)    # the draft: its MTP layers
     name = (WIDE_TARGET_MODEL if engine.tensor_parallel_size > 2 else TARGET_MODEL).name
+    if engine.model == "kimi-k3":
+        name = "kimi-k3"                     # the null executor's (engine_config.KIMI_K3_MODEL)
     path = _write_once(root, target, name)
     draft = None
     if drafts.draft_in_target(engine):
