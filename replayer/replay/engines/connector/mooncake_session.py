@@ -187,6 +187,7 @@ class StoreSession:
     # -- worker side ----------------------------------------------------
     def init_worker(self, vllm_config: VllmConfig, kv_cache_config: Any,
                     boundary_of) -> None:
+        from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_transfer_state import (
             ensure_kv_transfer_initialized,
             get_kv_transfer_group,
@@ -203,7 +204,11 @@ class StoreSession:
             try:
                 with self.store_module(), start_up_log(log), \
                         as_rank(vllm_config, rank, tp, dcp):
-                    if rank == 0 and self.peer is None:
+                    # The process's own connector, unless another engine in this
+                    # process holds that (a paused time segment's): then one of
+                    # its own, made the process's around each of its steps.
+                    if rank == 0 and self.peer is None \
+                            and kv_transfer_state._KV_CONNECTOR_AGENT is None:
                         ensure_kv_transfer_initialized(vllm_config, kv_cache_config)
                         connector = get_kv_transfer_group()
                     else:
@@ -320,7 +325,8 @@ class StoreSession:
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         if len(self.ranks) == 1 and self.peer is None:
-            with set_forward_context(None, vllm_config), \
+            with _the_process_agent(self.ranks[0].connector), \
+                    set_forward_context(None, vllm_config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(scheduler_output) as out:
                 pass                                       # the model's forward: nothing
             return out
@@ -362,19 +368,19 @@ class StoreSession:
                                                  if len(failures) > 1 else ""))
 
     def close(self) -> None:
+        from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 
-        # rank 0's is the process's own, unless a peer's is (a pair's decode instance)
-        for one in self.ranks[1:] if self.peer is None else self.ranks:
+        # Rank 0's is the process's own where init_worker made it so (not a pair's
+        # decode instance's, nor one built beside another engine's).
+        for one in self.ranks:
             try:
-                one.connector.shutdown()
+                if one.connector is kv_transfer_state._KV_CONNECTOR_AGENT:
+                    ensure_kv_transfer_shutdown()
+                else:
+                    one.connector.shutdown()
             except Exception:  # noqa: BLE001 - closing a dead master's client may fail
                 pass
-        try:
-            if self.peer is None:
-                ensure_kv_transfer_shutdown()
-        except Exception:  # noqa: BLE001 - closing a dead master's client may fail
-            pass
         if self.master is not None:
             self.master.close()
         for k, v in self._env_before.items():
@@ -384,6 +390,20 @@ class StoreSession:
                 os.environ[k] = v
         if not self.keep_tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@contextmanager
+def _the_process_agent(connector: Any):
+    """``connector`` as the process's own (what vLLM's worker helpers answer)
+    for the block: another engine in this process may hold that place."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    before = kv_transfer_state._KV_CONNECTOR_AGENT
+    kv_transfer_state._KV_CONNECTOR_AGENT = connector
+    try:
+        yield
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = before
 
 
 def _worker_copy(scheduler_output: Any) -> Any:
