@@ -301,8 +301,8 @@ def test_what_stays_in_one_piece():
 
     assert why_serial(_trace("live_eagle")) is None
     assert "after:" in why_serial(load(SCENARIOS / "shared_system_prompt_hybrid.yaml"))
-    assert "first request" in why_serial(load(TRACES / "live_store_llama"))
-    assert "KV-cache events" in why_serial(load(TRACES / "live_qwen3_next_kv_events"))
+    assert why_serial(load(TRACES / "live_store_llama")) is None     # tests/test_segments_store.py
+    assert why_serial(load(TRACES / "live_qwen3_next_kv_events")) is None
 
 
 def test_cli_segment_options_are_checked():

@@ -86,11 +86,12 @@ class SegmentedRunner:
         self.said: set[str] = set()
 
     def __call__(self, trace, label: str | None = None):
-        from replayer.cli.common import say_notes
+        from replayer.cli.common import say_notes, store_spec
         from replayer.replay.segments import replay_segments, warm_up_steps
         from replayer.replay.segments.worker import serial_reason
 
-        why = serial_reason(trace, self.spec)
+        store = store_spec(self.args) if hasattr(self.args, "store") else None
+        why = serial_reason(trace, self.spec, store)
         if why is not None:
             line = f"replayer: note: --segments: replayed in one piece: {why}"
             if line not in self.said:
@@ -103,7 +104,7 @@ class SegmentedRunner:
         result, report = replay_segments(
             trace, self.host, self.args.segments, warm, self.args.warm_up, spec=self.spec,
             shortcuts=not getattr(self.args, "no_shortcuts", False),
-            say=lambda msg: print(PREFIX + msg, file=sys.stderr))
+            say=lambda msg: print(PREFIX + msg, file=sys.stderr), store=store)
         self.reports.append(report)
         lines = report.lines()
         if label is not None:

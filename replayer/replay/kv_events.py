@@ -75,6 +75,11 @@ class KvEventCollector:
         self._indexed: dict[str, int] = {}               # request id -> hashes indexed
         self._freed: list[Any] = []                      # freed since the last publish
         self._order = 0
+        # A time segment's (start_name_log): every indexing in order, kept or not,
+        # and per row the hash it was named by, the name had it none, and how
+        # many indexings preceded it; the head names rows from the exact path's.
+        self.name_log: list[tuple[Any, int, str]] | None = None
+        self.row_names: list[tuple[Any, tuple, int]] = []
         scheduler.kv_event_publisher = _Tee(self, scheduler.kv_event_publisher)
         free = scheduler._free_request
 
@@ -94,10 +99,24 @@ class KvEventCollector:
         done = self._indexed.get(rid, 0)
         if done >= len(hashes):
             return
-        first, ext, hbs = self.first, self._ext, self.hbs
+        first, ext, hbs, log = self.first, self._ext, self.hbs, self.name_log
         for i in range(done, len(hashes)):
-            first.setdefault(ext(hashes[i]), ((i + 1) * hbs, rid))
+            h, site = ext(hashes[i]), ((i + 1) * hbs, rid)
+            first.setdefault(h, site)
+            if log is not None:
+                log.append((h, *site))
         self._indexed[rid] = len(hashes)
+
+    def start_name_log(self) -> None:
+        """Log every indexing from now on, for the head (a time segment)."""
+        if self.name_log is None:
+            self.name_log = []
+
+    def _named(self, h: Any, default: tuple = (None, None)) -> tuple:
+        """``h``'s name, as a row takes it (noted for the head in a segment)."""
+        if self.name_log is not None:
+            self.row_names.append((h, default, len(self.name_log)))
+        return self.first.get(h, default)
 
     def _candidates(self) -> list[Any]:
         return [*self.scheduler.requests.values(), *self._freed]
@@ -137,9 +156,11 @@ class KvEventCollector:
                 self._stored(ev, step, candidates)
             elif name == "BlockRemoved":
                 for h in ev.block_hashes:
-                    b, rid = self.first.get(h, (None, None))
+                    b, rid = self._named(h)
                     self._row(step, name, ev.group_idx, b, None, rid, h, ev.medium)
             elif name == "AllBlocksCleared":
+                if self.name_log is not None:
+                    self.row_names.append((None, (None, None), len(self.name_log)))
                 self._row(step, name, None, None, None, None, None, None)
         self._freed.clear()
 
@@ -156,14 +177,14 @@ class KvEventCollector:
         if emitter is None:
             # Every block kept (or the range cannot be placed): the kept blocks, by hash.
             for h in kept:
-                b, rid = self.first.get(h, (None, None))
+                b, rid = self._named(h)
                 self._row(step, "BlockStored", group, b, True, rid, h, medium)
             return
         hashes, ext, hbs = emitter.block_hashes, self._ext, self.hbs
         kept_set = set(kept)
         for b in range(start + bs, end + 1, bs):
             h = ext(hashes[b // hbs - 1])
-            boundary, rid = self.first.get(h, (b, emitter.request_id))
+            boundary, rid = self._named(h, (b, emitter.request_id))
             if h in kept_set:
                 self._row(step, "BlockStored", group, boundary, True, rid, h, medium)
             else:

@@ -373,6 +373,29 @@ class CoreEngine(EngineAdapter):
         """The KV-cache events vLLM published, one row per block (None: events off)."""
         return None if self._kv_events is None else self._kv_events.as_dicts()
 
+    # -- a time segment's naming logs (replayer.replay.segments.rows) -------
+    def start_name_log(self) -> None:
+        """A time segment's replay: log every naming of a block hash from now on,
+        so the head names its rows as the exact path did (a segment that starts
+        later cannot know which request first held a prefix)."""
+        if self._kv_events is not None:
+            self._kv_events.start_name_log()
+
+    def segment_marks(self) -> dict[str, int]:
+        """How far each naming log and the rows it names had come: where a
+        segment's part of them begins or ends (empty: nothing named)."""
+        ev = self._kv_events
+        if ev is None or ev.name_log is None:
+            return {}
+        return {"kv_rows": len(ev.rows), "kv_names": len(ev.name_log)}
+
+    def segment_logs(self) -> dict[str, Any]:
+        """The naming logs, for the head (with the replay's result)."""
+        ev = self._kv_events
+        if ev is None or ev.name_log is None:
+            return {}
+        return {"kv_names": ev.name_log, "kv_row_names": ev.row_names}
+
     def hold_accepted(self, accepted: dict[tuple[str, int], int]) -> None:
         """Accept only as many drafts per verification as the recording did (its steps
         table): the i-th step in which a request has drafts scheduled gets the

@@ -39,6 +39,7 @@ from typing import Any, Callable
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
+from replayer.replay.engines import digest_store
 from replayer.replay.engines.digest_walk import Canon, DigestError, sha
 
 __all__ = ["DIGEST", "DigestError", "EXCLUDED", "counters", "state_digest", "state_sections"]
@@ -53,6 +54,8 @@ _TIMER = "the replayer's timer around vLLM's method (the method itself is code)"
 _HASHER = ("the replayer's prefix-hash cache, in front of vLLM's block hasher: it returns "
            "what vLLM's hasher would (tests/test_shortcuts.py), whatever it holds")
 _COUNT = "counts from the engine's start that explain reads: carried by counters()"
+_NAMES = ("names of blocks by the first request that held their prefix: output only, "
+          "named again by the head from the exact path's namings (segments/rows.py)")
 
 # Every field the digest leaves out, by class (an object's class or any base),
 # and why. Anything not named here is walked.
@@ -63,8 +66,9 @@ EXCLUDED: dict[str, dict[str, str]] = {
                          "observability_config"), _CONFIG),
         "structured_output_manager": "structured output: no trace request asks for it; "
                                      "its grammar backend and bitmask tensors are wiring",
-        "kv_event_publisher": "where KV-cache events go (traces that collect them replay "
-                              "in one piece)",
+        "kv_event_publisher": "where KV-cache events go: vLLM's null publisher behind the "
+                              "replayer's collector (walked with the adapter)",
+        "_free_request": "the KV-event collector's hook around vLLM's method (code)",
         "kv_cache_manager": _OWN, "requests": _OWN, "waiting": _OWN, "running": _OWN,
         "schedule": _TIMER, "update_from_output": _TIMER,
         "current_step": _CLOCK, "num_executed_steps": _CLOCK, "last_prefill_step": _CLOCK},
@@ -125,6 +129,18 @@ EXCLUDED: dict[str, dict[str, str]] = {
     "GroupHits": {"coordinator": "the KV-cache manager's (walked)",
                   "kinds": _CONFIG, "eagle": _CONFIG,
                   "lookups": _COUNT, "_count": _COUNT},
+    # The KV-event collector (replay/kv_events.py): what it carries forward is its
+    # requests freed since the last publish (walked) and how many hashes of each
+    # live one it indexed (written with the adapter).
+    "KvEventCollector": {
+        "scheduler": "vLLM's scheduler (walked)", "step": "code: the adapter's step clock",
+        "sink": "code: where rows go", "hbs": _CONFIG, "_ext": "code: vLLM's hash conversion",
+        "rows": "output: the events published so far (the head assembles them)",
+        "first": _NAMES, "name_log": _NAMES, "row_names": _NAMES,
+        "_order": "the rows' numbering from the engine's start (the head numbers them)",
+        "_indexed": "written with the adapter for live and just-freed requests"},
+    # A MooncakeStore connector's objects (digest_store.py says why).
+    **digest_store.EXCLUDED,
 }
 
 
@@ -233,6 +249,12 @@ def _replayer(d: _Digest, engine: Any) -> list[str]:
     hits = getattr(engine, "group_hits", None)
     if hits is not None:
         out.append(d.obj(hits, "engine.group_hits"))
+    events = engine._kv_events
+    if events is not None:
+        indexing = set(live) | {r.request_id for r in events._freed}
+        out.append("kv_events indexed " + d.enc(
+            sorted((r, n) for r, n in events._indexed.items() if r in indexing),
+            "engine._kv_events._indexed"))
     return out
 
 
@@ -269,6 +291,9 @@ def state_sections(engine: Any, loop: dict[str, int], *,
     out["engine_core"] = [d.obj(core, "engine_core"),
                           "aborts " + d.enc(list(core.aborts_queue.queue), "aborts_queue")]
     out["replayer"] = _replayer(d, engine)
+    store = digest_store.store_section(d, engine)
+    if store:                                  # a MooncakeStore trace's
+        out["store"] = store
     out["blocks"] = _blocks(d, kvm.block_pool)
     return out
 

@@ -113,20 +113,26 @@ class _Owner:
     steps: int                 # the exact path's counts there
     lookups: int
     finished: Any = None       # the future of its finish()
+    # Where its part of the naming logs and rows begins and ends (segments/rows.py):
+    # None at the start for the first owner, at the end for the last.
+    start_marks: dict[str, int] | None = None
+    end_marks: dict[str, int] | None = None
 
 
 def replay_segments(trace: Trace, host: Any, segments: int, warm_up: int,
                     warm_up_text: str = "", spec: Any = "installed", shortcuts: bool = True,
-                    say: Callable[[str], None] | None = None) -> tuple[ReplayResult, SegmentReport]:
+                    say: Callable[[str], None] | None = None,
+                    store: Any = None) -> tuple[ReplayResult, SegmentReport]:
     """Replay ``trace`` in ``segments`` time segments on ``host``: the sequential
-    replay's result, and what happened at each boundary."""
+    replay's result, and what happened at each boundary. ``store``: the memory
+    store's StoreSpec (its capacity) for a MooncakeStore trace, None: the default."""
     t0 = time.perf_counter()
     # The host's start-up, charged to its first replay (explain and sweep run several).
     host_s, host.startup_s = getattr(host, "startup_s", 0.0), 0.0
     plan = plan_segments(trace, segments, warm_up, warm_up_text)
     report = SegmentReport(plan, host.describe(), host_s=host_s)
     proof = _Proof(host, plan.segments, report, say)
-    proof.start(trace, trace.sized_engine(), spec, shortcuts)
+    proof.start(trace, trace.sized_engine(), spec, shortcuts, store)
     try:
         sequential = proof.prove_boundaries()
         outcomes = proof.finish()
@@ -163,12 +169,13 @@ class _Proof:
     def call(self, index: int, method: str, *args: Any):
         return self.host.call(index, (self.run, index), method, *args)
 
-    def start(self, trace: Trace, sized: Any, spec: Any, shortcuts: bool) -> None:
+    def start(self, trace: Trace, sized: Any, spec: Any, shortcuts: bool, store: Any) -> None:
         """Every segment at once. Each one's start digest is answered as soon as its
         warm-up ends (the boundary is checked then, and the segment before finishes
         its tail at once), while the segment replays on to its end boundary."""
         for seg in self.segs:
-            self.call(seg.index, "open", seg, trace_part(trace, seg, sized), spec, shortcuts)
+            self.call(seg.index, "open", seg, trace_part(trace, seg, sized), spec, shortcuts,
+                      store)
             self.starts[seg.index] = self.call(seg.index, "begin")
             self.ends[seg.index] = self.call(seg.index, "run_on")
             self.open.add(seg.index)
@@ -229,10 +236,12 @@ class _Proof:
                    start: Boundary) -> tuple[_Owner, dict]:
         """A matched boundary: the owner finishes its arrivals, segment ``b`` owns on."""
         owner.finished = self.call(owner.index, "finish")
+        owner.end_marks = end.marks
         self.open.discard(owner.index)
         nxt = _Owner(b, start.steps, start.lookups,
                      owner.steps + end.steps - owner.own_steps,
-                     owner.lookups + end.lookups - owner.own_lookups)
+                     owner.lookups + end.lookups - owner.own_lookups,
+                     start_marks=start.marks)
         self.owners.append(nxt)
         state = self.ends[b].result()
         self._timed(b, started, state)
@@ -271,6 +280,9 @@ class _Proof:
 
 def assemble(parts: list[tuple[_Owner, SegmentOutcome]]) -> ReplayResult:
     """The sequential replay's result from its owners' parts, in arrival order."""
+    from replayer.replay.segments.rows import assemble_kv_events, assemble_store
+
+    store, store_notes = assemble_store(parts)
     requests = []
     finished: dict[str, int] = {}
     lookups: dict[str, tuple[int, int]] | None = {}
@@ -288,12 +300,15 @@ def assemble(parts: list[tuple[_Owner, SegmentOutcome]]) -> ReplayResult:
             for rid, (s, n) in out.lookups.items():
                 lookups[rid] = (s + shift, n + shift_lookups)
         for note in out.notes:
-            if note not in notes:
+            if note not in notes and note not in store_notes:
                 notes.append(note)
         if out.steps is not None:
             steps = out.steps + shift
+    if store is not None:
+        notes += [n for n in store["notes"] if n not in notes]
     head = parts[0][1]
-    return ReplayResult(engine=head.engine, requests=requests, steps=steps,
+    return ReplayResult(engine=head.engine, requests=requests, steps=steps, store=store,
+                        kv_events=assemble_kv_events(parts),
                         kv_groups=head.kv_groups, notes=notes, hit_alignment=head.hit_alignment,
                         lookups=lookups, finished_engine_step=finished,
                         hits_are_first_prefill=head.hits_are_first_prefill,

@@ -89,12 +89,13 @@ def why_serial(trace: Trace) -> str | None:
     if "after" in rq.column_names and rq["after"].null_count < rq.num_rows:
         return ("its requests that arrive after others finish (after:) have no clock "
                 "time to split at")
-    if trace.engine.connector:
-        return ("its store keys are named by the first request that ever held their "
-                "prefix, which no segment that starts later can know")
-    if trace.collects_kv_events:
-        return ("its KV-cache events name blocks by the first request that ever held "
-                "them, which no segment that starts later can know")
+    engine = trace.engine
+    if engine.connector and engine.connector != "mooncake_store":
+        return (f"the state digest does not read its {engine.connector} connector's state "
+                "(a MooncakeStore connector's it does)")
+    if engine.connector and engine.prefill_instance:
+        return ("it replays a prefill/decode pair, two engines over one store, and the state "
+                "digest reads one")
     if trace.events is not None and trace.events.num_rows:
         for ev in trace.events.to_pylist():
             if ev["after"] is not None:

@@ -42,8 +42,9 @@ def digest_module(version: str) -> str | None:
     return None if prefix is None else DIGESTS[prefix]
 
 
-def serial_reason(trace: Trace, spec: Any) -> str | None:
-    """Why ``trace`` on engine ``spec`` replays in one piece (one line), or None."""
+def serial_reason(trace: Trace, spec: Any, store: Any = None) -> str | None:
+    """Why ``trace`` on engine ``spec`` (and ``store``, a StoreSpec: None is the
+    memory store) replays in one piece (one line), or None."""
     from replayer.replay.engines.sources.specs import resolve
     from replayer.replay.segments.plan import why_serial
 
@@ -52,6 +53,9 @@ def serial_reason(trace: Trace, spec: Any) -> str | None:
         return "the state digest does not read a model runner's state"
     if digest_module(engine.info.vllm) is None:
         return f"there is no state digest for vLLM {engine.info.vllm} (segments need one)"
+    if trace.engine.connector and store is not None and store.kind != "memory":
+        return (f"its store is {store.label()}, whose contents the state digest cannot read "
+                "(the memory store's it does)")
     return why_serial(trace)
 
 
@@ -66,6 +70,9 @@ class Boundary:
     digest: dict[str, str] | None  # None: the state held a value the digest cannot encode
     seconds: float                 # replay seconds since the previous pause
     unreadable: str | None = None  # then, what it was (the boundary is not trusted)
+    # How far the naming logs and the rows they name had come (a store or
+    # KV-event trace; segments/rows.py).
+    marks: dict[str, int] | None = None
 
 
 @dataclass
@@ -83,13 +90,19 @@ class SegmentOutcome:
     notes: list[str]
     seconds: float                             # replay seconds of the finish
     timings: dict[str, float] = field(default_factory=dict)
+    # The whole replay's store report and KV-event rows, with their naming logs
+    # (a store or KV-event trace): the head takes the part this worker owned
+    # (segments/rows.py).
+    store: dict[str, Any] | None = None
+    kv_events: dict[str, Any] | None = None
 
 
 def trace_part(trace: Trace, segment: Segment, sized: Any) -> Trace:
     """The arrivals from ``segment``'s warm-up on, under the whole trace's sized
     engine (a part must not size its engine by its own longest request).
     Events before the warm-up, and those naming a request outside the part,
-    are left out; goldens and recorded outcomes do not travel."""
+    are left out; goldens and recorded outcomes do not travel (whether KV-cache
+    events are collected does)."""
     rq = trace.requests
     part = rq.filter(pc.greater_equal(rq["arrival_step"], segment.warm_from)) \
         if segment.warm_from > 0 else rq
@@ -104,17 +117,29 @@ def trace_part(trace: Trace, segment: Segment, sized: Any) -> Trace:
     if steps is not None and ids is not None:
         steps = steps.filter(pc.is_in(steps["id"], pa.array(sorted(ids), pa.string())))
     return Trace(header={**trace.header, "engine": sized}, requests=part, events=events,
-                 steps=steps, path=trace.path)
+                 steps=steps, path=trace.path, kv_events_wanted=trace.collects_kv_events)
+
+
+def _named_parts(result: Any, logs: dict[str, Any]) -> dict[str, Any]:
+    """The store report and KV-event rows of a replay, each with its naming log."""
+    out: dict[str, Any] = {}
+    if result.store is not None:
+        out["store"] = {**result.store, "names": list(logs["store_names"])}
+    if result.kv_events is not None:
+        out["kv_events"] = {"rows": result.kv_events, "names": list(logs["kv_names"]),
+                            "row_names": list(logs["kv_row_names"])}
+    return out
 
 
 class SegmentWorker:
     """One segment's engine and paused replay (built on :meth:`begin`)."""
 
     def __init__(self, segment: Segment, trace: Trace, spec: Any = "installed",
-                 shortcuts: bool = True) -> None:
+                 shortcuts: bool = True, store: Any = None) -> None:
         self.segment = segment
         self.trace = trace
         self.spec = spec
+        self.store = store              # a StoreSpec (--store memory, its capacity) or None
         self.shortcuts = shortcuts
         steps = trace.requests["arrival_step"].to_numpy(zero_copy_only=False)
         self._sorted_steps = np.sort(steps.astype(np.int64), kind="stable")
@@ -148,9 +173,10 @@ class SegmentWorker:
         except AttributeError as exc:       # a field this release lacks: never trusted
             digest, unreadable = None, f"a field the digest reads is not there ({exc})"
         counted = self._counters(self._engine)
+        marks = self._engine.segment_marks()
         self._lap()                           # the digest's own time is not the replay's
         return Boundary(point, run.clock, run.steps_run, counted["lookups"], digest, seconds,
-                        unreadable)
+                        unreadable, marks)
 
     def begin(self) -> dict[str, Any]:
         """Build the engine and replay to the start boundary: its digest (None
@@ -160,7 +186,8 @@ class SegmentWorker:
         from replayer.replay.loop import ReplayRun
 
         t0 = time.perf_counter()
-        self._engine = self._stack.enter_context(engine_here(self.trace, self.spec))
+        self._engine = self._stack.enter_context(engine_here(self.trace, self.spec,
+                                                             store=self.store))
         module = digest_module(self._engine.info.vllm)
         if module is None:
             raise EngineError(f"{self._engine.info.label}: no state digest for this release "
@@ -168,6 +195,9 @@ class SegmentWorker:
         mod = importlib.import_module(module)
         self._digest, self._counters = mod.DIGEST, mod.counters
         self.timings["startup_s"] = time.perf_counter() - t0
+        # Store keys and KV-event blocks are named by the head from every
+        # segment's namings (segments/rows.py).
+        self._engine.start_name_log()
         self._lap()
         self._run = ReplayRun(self.trace, self._engine, shortcuts=self.shortcuts)
         seg = self.segment
@@ -221,7 +251,8 @@ class SegmentWorker:
             engine=result.engine, kv_groups=result.kv_groups,
             hit_alignment=result.hit_alignment,
             hits_are_first_prefill=result.hits_are_first_prefill, notes=list(result.notes),
-            seconds=seconds, timings={**self.timings, **result.timings})
+            seconds=seconds, timings={**self.timings, **result.timings},
+            **_named_parts(result, self._engine.segment_logs()))
         self.close()
         return out
 

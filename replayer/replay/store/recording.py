@@ -46,6 +46,18 @@ def _crc(addrs: list[int], sizes: list[int]) -> int:
     return crc
 
 
+def pressure_note(label: str, kind: str, first: tuple[int, int, str], puts: int) -> str:
+    """What a replay says of the puts a full pool refused (``first``: the first's
+    step, rank and key)."""
+    step, rank, key = first
+    return (f"store {label}: the pool was full for {puts} put(s), "
+            f"the first at step {step} on rank {rank} ({key}): NO_AVAILABLE_HANDLE, "
+            "which vLLM's worker takes as store pressure (it skips that request's "
+            "later puts until one succeeds)" + (
+                "; this master never evicts (Mooncake evicts on wall-clock leases, "
+                "which a replay does not repeat)" if kind == "mooncake" else ""))
+
+
 @dataclass
 class Fault:
     """An armed ``store_fault``: ``op`` on keys matching a selector (first
@@ -93,6 +105,9 @@ class StoreOps:
     # The first put a full pool refused (step, rank, key), and how many it refused.
     pressure: tuple[int, int, str] | None = None
     pressure_puts: int = 0
+    # A time segment's: how many key names were filed before each row (written
+    # as its "names"; the head names the row's key from the exact path's).
+    mark: Callable[[], int] | None = None
 
 
 class RecordingStore:
@@ -130,12 +145,15 @@ class RecordingStore:
         site = self.boundary_of(key_hash(key)) if key else None
         boundary, request = site if site else (None, None)
         with self._lock:
-            self.ops.rows.append({
+            row = {
                 "order": len(self.ops.rows), "step": self.step, "rank": self.rank, "op": op,
                 "key": key, "group": key_group(key) if key else None,
                 "boundary": boundary, "bytes": nbytes, "result": result,
                 "request": request,
-                "loader": getattr(self._loading, "request", None) if op == "get" else None})
+                "loader": getattr(self._loading, "request", None) if op == "get" else None}
+            if self.ops.mark is not None:
+                row["names"] = self.ops.mark()
+            self.ops.rows.append(row)
 
     def _fail(self, what: str) -> None:
         with self._lock:

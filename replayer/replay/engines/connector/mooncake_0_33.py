@@ -67,6 +67,7 @@ from replayer.replay.engines.core_driver import CoreEngine, NullExecutor
 from replayer.replay.engines.connector.mooncake_session import StoreSession
 from replayer.replay.schedule import KeySelector
 from replayer.replay.store import StoreSpec
+from replayer.replay.store.recording import pressure_note
 from traces.model.engine_spec import EngineBlock
 from traces.model.store_codes import code_name
 
@@ -140,6 +141,9 @@ class StoreConnectorEngine(CoreEngine):
         self.boundaries: dict[str, tuple[int, str]] = {}
         # Request id -> how many of its block hashes are in ``boundaries``.
         self._named: dict[str, int] = {}
+        # A time segment's (start_name_log): every filing in order, kept or not,
+        # so the head names each key as the exact path did (segments/rows.py).
+        self.name_log: list[tuple[str, int, str]] | None = None
         if engine.connector == "offloading":      # vLLM's CPU offload: its own session
             from replayer.replay.engines.connector.offloading_0_33 import OffloadSession
 
@@ -173,9 +177,37 @@ class StoreConnectorEngine(CoreEngine):
         """File each block hash not yet named under its token boundary and request."""
         hbs = self._hash_block_size
         start = self._named.get(request_id, 0)
+        log = self.name_log
         for i in range(start, len(block_hashes)):
-            self.boundaries.setdefault(bytes(block_hashes[i]).hex(), ((i + 1) * hbs, request_id))
+            h, site = bytes(block_hashes[i]).hex(), ((i + 1) * hbs, request_id)
+            self.boundaries.setdefault(h, site)
+            if log is not None:
+                log.append((h, *site))
         self._named[request_id] = len(block_hashes)
+
+    def start_name_log(self) -> None:
+        """A time segment's replay (:meth:`CoreEngine.start_name_log`): store rows
+        too, each marked with how many filings preceded it."""
+        super().start_name_log()
+        if self.session is None or self.name_log is not None:
+            return
+        log = self.name_log = []
+        self.session.ops.mark = log.__len__
+
+    def segment_marks(self) -> dict[str, int]:
+        marks = super().segment_marks()
+        if self.session is not None and self.name_log is not None:
+            ops = self.session.ops
+            marks.update(rows=len(ops.rows), lookups=len(ops.lookups),
+                         names=len(self.name_log), gets_checked=ops.gets_checked,
+                         gets_corrupted=ops.gets_corrupted)
+        return marks
+
+    def segment_logs(self) -> dict[str, Any]:
+        logs = super().segment_logs()
+        if self.name_log is not None:
+            logs["store_names"] = self.name_log
+        return logs
 
     def _name_decode_hashes(self) -> None:
         """Blocks a running request fills while it decodes get their hashes from
@@ -225,6 +257,7 @@ class StoreConnectorEngine(CoreEngine):
             return None
         ops = self.session.ops
         faults = []
+        notes: list[str] = []
         for f in ops.faults:
             faults.append({"op": f.op, "code": f.code, "times": f.times, "fired": f.fired,
                            "step": f.step})
@@ -233,22 +266,17 @@ class StoreConnectorEngine(CoreEngine):
                                  + ("" if b is None else f" @ {b}")
                                  + ("" if k is None else f" rank {k}")
                                  for r, g, b, k in f.selectors)
-                self.notes.append(f"store_fault {f.op} ({what}) armed before step {f.step} "
-                                  f"fired {f.fired} of {f.times} time(s): no matching "
-                                  f"{f.op} happened after it ({code_name(f.code)} unused)")
+                notes.append(f"store_fault {f.op} ({what}) armed before step {f.step} "
+                             f"fired {f.fired} of {f.times} time(s): no matching "
+                             f"{f.op} happened after it ({code_name(f.code)} unused)")
         if ops.pressure is not None:
-            step, rank, key = ops.pressure
-            self.notes.append(
-                f"store {self.session.label}: the pool was full for {ops.pressure_puts} put(s), "
-                f"the first at step {step} on rank {rank} ({key}): NO_AVAILABLE_HANDLE, "
-                "which vLLM's worker takes as store pressure (it skips that request's "
-                "later puts until one succeeds)" + (
-                    "; this master never evicts (Mooncake evicts on wall-clock leases, "
-                    "which a replay does not repeat)" if self.session.spec.kind == "mooncake"
-                    else ""))
+            notes.append(pressure_note(self.session.label, self.session.spec.kind,
+                                       ops.pressure, ops.pressure_puts))
+        self.notes.extend(notes)
         return {"backend": self.session.backend, "rows": list(ops.rows),
                 "lookups": list(ops.lookups), "faults": faults,
                 "gets_checked": ops.gets_checked, "gets_corrupted": ops.gets_corrupted,
+                "label": self.session.label, "notes": notes,
                 "seconds": sum(r.recorder.seconds for r in self.session.ranks)}
 
     def close(self) -> None:
