@@ -31,6 +31,7 @@ from replayer.compare.workers import worker_differences
 from replayer.replay.engines import EngineError, UnsupportedByEngine, check_supported
 from replayer.replay.engines.sources.specs import parse_spec, resolve
 from replayer.replay.execution.clients import cold_client
+from replayer.replay.engines.worker.architectures import llama4
 from replayer.replay.engines.worker.models import refusal
 from traces import load_target, read_trace
 from traces.model.limits import MAX_GPU_BLOCKS
@@ -153,24 +154,24 @@ def test_fixtures_the_model_worker_cannot_run_say_why(path):
 
 
 def test_a_refused_fixture_is_one_line_and_exit_2(serve_venv):
-    proc = cli_here("run", FIXTURES / "scenarios" / "chunked_local_attention.yaml",
+    proc = cli_here("run", FIXTURES / "scenarios" / "eagle_draft_group.yaml",
                     "--engine", serve_venv, "--worker", "model")
-    assert_bad_input(proc, "chunked_local", "tiny models here", "--worker null")
+    assert_bad_input(proc, "block sizes [16, 32]", "--worker null")
 
 
 @pytest.mark.parametrize("command", [
     ("sweep", "--grid", "engine.max_num_seqs=4,8"),
-    ("shrink", "-o", "out.yaml", "--request", "doc_again", "--lost-by", "capacity"),
+    ("shrink", "-o", "out.yaml", "--request", "b97_again", "--lost-by", "capacity"),
 ], ids=["sweep", "shrink"])
 def test_sweep_and_shrink_take_the_model_worker_and_its_refusals(serve_venv, command, tmp_path):
     """sweep and shrink replay on --worker model (through the warm server when one
     runs); a geometry no tiny model takes is one line, exit 2, before any engine."""
     name, *rest = command
     extra = ["--engine", serve_venv]
-    proc = cli_here(name, FIXTURES / "scenarios" / "chunked_local_attention.yaml",
+    proc = cli_here(name, FIXTURES / "scenarios" / "eagle_draft_group.yaml",
                     *[str(tmp_path / a) if a == "out.yaml" else a for a in rest],
                     *extra, "--worker", "model")
-    assert_bad_input(proc, "chunked_local", "tiny models here")
+    assert_bad_input(proc, "block sizes [16, 32]")
 
 
 def test_a_store_pool_sized_for_the_null_executors_blocks_is_refused():
@@ -215,6 +216,15 @@ def test_a_sparse_hybrid_without_full_attention_gives_the_null_executors_hits(wo
     path.write_text(SLIDING_MAMBA.replace("  mamba_prefill_checkpoint_alignment: 1\n", ""))
     why = refusal(load_target(path).engine)
     assert why is not None and "mamba_prefill_checkpoint_alignment" in why
+
+
+def test_chunked_local_attention_is_a_tiny_llama4():
+    # chunked_local_attention.yaml runs (the agreement test above holds it to the
+    # null executor): Llama 4's RoPE layers are vLLM's ChunkedLocalAttention.
+    assert "scenarios/chunked_local_attention.yaml" in {_id(p) for p in RUNNABLE}
+    config, dtype = llama4.config(["chunked_local"], 64, {"vocab_size": 32000})
+    assert config["architectures"] == ["Llama4ForCausalLM"] and dtype == "float32"
+    assert config["no_rope_layers"] == [1] and config["attention_chunk_size"] == 64
 
 
 def test_model_worker_needs_a_vllm_that_runs_a_model_here():

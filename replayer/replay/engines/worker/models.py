@@ -16,6 +16,8 @@ from it. Which architecture serves which kinds:
   head sizes vLLM's CPU kernels take (64);
 * sliding windows beside Mamba groups, no full attention: Nemotron-H
   (Mamba2 and windowed attention, :mod:`.architectures.nemotron_h`), fp32;
+* chunked local attention, alone or beside full attention: Llama 4 (its RoPE
+  layers chunked, its NoPE layers global, :mod:`.architectures.llama4`), fp32;
 * the EAGLE draft: a one-layer Llama EAGLE head of the target's width.
 
 A geometry the CPU worker cannot take is refused in one line naming why
@@ -40,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from replayer.replay.engines.base import UnsupportedByEngine
+from replayer.replay.engines.worker.architectures import llama4, nemotron_h
 from replayer.replay.engines.worker.architectures import drafts
 from replayer.replay.engines.worker.architectures import kimi_linear
-from replayer.replay.engines.worker.architectures import nemotron_h
 from traces.model.engine_spec import EngineBlock
 
 # Qwen3-Next's gated DeltaNet on vLLM's CPU kernels (bf16 only: "CPU GDN
@@ -111,10 +113,13 @@ def refusal(engine: EngineBlock) -> str | None:
     if engine.decode_context_parallel_size != 1:
         return (f"decode_context_parallel_size {engine.decode_context_parallel_size}: "
                 + DCP_ON_CPU)
+    if llama4.serves(set(kinds)):
+        return llama4.refusal(engine)
     other = sorted(set(kinds) - {"full_attention", "mamba", "sliding_window"})
     if other:
         return (f"KV-cache group kind {other[0]} (tiny models here have full "
-                "attention, sliding windows and Mamba-style state only)")
+                "attention, sliding windows, chunked local attention and Mamba-style "
+                "state only)")
     if set(kinds) == {"sliding_window", "mamba"}:
         why = nemotron_h.refusal(engine)
         if why is not None:
@@ -187,6 +192,10 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
     tp = engine.tensor_parallel_size
     if kimi_linear.serves(set(layers)):
         return kimi_linear.target_config(engine, layers)
+    if llama4.serves(set(layers)):
+        chunk = next(g.attention_chunk_size for g in engine.kv_groups
+                     if g.kind == "chunked_local")
+        return llama4.config(layers, chunk, common)
     if "mamba" in layers and "full_attention" not in layers:
         window = next(g.sliding_window for g in engine.kv_groups
                       if g.kind == "sliding_window")
