@@ -91,6 +91,18 @@ def test_the_store_section_is_what_fails_that_boundary(waves, monkeypatch):
     assert res.store["rows"] != seq.store["rows"]
 
 
+def test_a_real_master_keeps_a_store_trace_in_one_piece(waves):
+    """The digest reads the memory store's contents (at any capacity); a real
+    master's it cannot, so such a replay is not split."""
+    from replayer.replay.segments.worker import serial_reason
+    from replayer.replay.store import StoreSpec
+
+    trace, _ = waves
+    assert serial_reason(trace, "installed", StoreSpec("memory", capacity_bytes=1 << 20)) is None
+    why = serial_reason(trace, "installed", StoreSpec("mooncake", "127.0.0.1", 5))
+    assert "mooncake://127.0.0.1:5" in why and "cannot read" in why
+
+
 def test_kv_events_split_with_the_sequential_rows():
     """KV-cache events (run --kv-events) on the recorded EAGLE fixture: both
     boundaries match, and the rows, each block named by the first request that
