@@ -161,3 +161,41 @@ def test_dflash_builds_its_draft_kv_without_the_eagle_drop():
     assert result.kv_groups == [{"group": 0, "kind": "full_attention", "eagle_drop": False}]
     assert hits(result) == {"a97": 0, "a97_again": 96, "b98": 0, "b98_again": 96,
                             "c110": 0, "c110_again": 96}
+
+
+SPARSE = """
+engine:
+  block_size: 64
+  kv_groups:
+    - {kind: sliding_window, sliding_window: 256}
+    - {kind: mamba}
+  mamba_prefill_checkpoint_alignment: 1
+  max_num_batched_tokens: 512
+  max_num_seqs: 4
+  num_gpu_blocks: 128
+requests:
+  - {id: doc, prompt: [{stream: doc, len: 1000}]}
+  - {id: doc_again, after: doc, prompt: [{stream: doc, len: 1000}, {stream: q, len: 40}]}
+"""
+
+
+def test_mamba2_prefill_checkpoints_end_a_prompt_in_one_chunk(tmp_path):
+    """engine.mamba_prefill_checkpoint_alignment (Mamba2's MambaSpec export): the
+    state at 960 is written inside the prompt's last chunk, so vLLM need not end a
+    chunk there; without it the 1000-token prompt takes a step more. Same hits."""
+    path = tmp_path / "sparse.yaml"
+    path.write_text(SPARSE)
+    exported = replay(load_target(path))
+    path.write_text(SPARSE.replace("  mamba_prefill_checkpoint_alignment: 1\n", ""))
+    split = replay(load_target(path))
+    assert hits(exported) == hits(split) == {"doc": 0, "doc_again": 960}
+    finish = {r.id: r.finish_step for r in exported.requests}
+    assert {r.id: r.finish_step for r in split.requests} == {
+        "doc": finish["doc"] + 1, "doc_again": finish["doc_again"] + 2}
+    with pytest.raises(TraceError, match="mamba_prefill_checkpoint_alignment needs a mamba"):
+        EngineBlock.from_dict("s.yaml", {"kv_groups": ["full_attention"],
+                                         "mamba_prefill_checkpoint_alignment": 1})
+    with pytest.raises(TraceError, match="both set the Mamba layers' prefill checkpoints"):
+        EngineBlock.from_dict("s.yaml", {"kv_groups": ["full_attention", "mamba"],
+                                         "mamba_prefill_checkpoint_alignment": 1,
+                                         "kda_prefill_backend": "triton"})
