@@ -199,3 +199,24 @@ def test_mamba2_prefill_checkpoints_end_a_prompt_in_one_chunk(tmp_path):
         EngineBlock.from_dict("s.yaml", {"kv_groups": ["full_attention", "mamba"],
                                          "mamba_prefill_checkpoint_alignment": 1,
                                          "kda_prefill_backend": "triton"})
+
+
+def test_the_recorder_writes_the_mamba_layers_prefill_checkpoints(tmp_path):
+    """A recording's header says what the built Mamba specs export (Mamba2's
+    alignment 1), and nothing where they export none."""
+    from types import SimpleNamespace
+
+    from replayer.recorder import vllm_0_33 as recorder_adapter
+    from replayer.recorder.header import engine_block
+    from replayer.replay.engines.vllm_0_33 import build_vllm_config, layer_specs
+
+    path = tmp_path / "sparse.yaml"
+    for text, wanted in ((SPARSE, 1), (SPARSE.replace(
+            "  mamba_prefill_checkpoint_alignment: 1\n", ""), None)):
+        path.write_text(text)
+        engine = load_target(path).sized_engine()
+        groups = [SimpleNamespace(kv_cache_spec=spec) for spec in layer_specs(engine).values()]
+        built = SimpleNamespace(kv_cache_groups=groups, num_blocks=engine.num_gpu_blocks)
+        block = engine_block(build_vllm_config(engine), built, recorder_adapter)
+        assert block.mamba_prefill_checkpoint_alignment == wanted
+        assert [g.kind for g in block.kv_groups] == ["sliding_window", "mamba"]
