@@ -13,7 +13,11 @@ whether the hits, the schedule, the store and the KV-cache events agree
 fixture the model worker or this vLLM release refuses is listed with the
 reason.
 
-    python benchmarks/worker_agreement.py [--engine .venv-serve] [--set K=V ...] [FIXTURE ...]
+    python benchmarks/worker_agreement.py [--engine .venv-serve] [--set K=V ...] [--all] [FIXTURE ...]
+
+A fixture of more than ``LONG_TOKENS`` prompt tokens (``traces/conversation_500``:
+7.1 M) would run for hours through a real model on two cores: listed with its
+size and left out unless named or ``--all`` is given.
 
 ``--set`` changes every fixture's engine block as ``replayer run --set`` does
 (e.g. ``engine.block_size=32`` beside the fixtures' 16, to price the CPU
@@ -41,6 +45,15 @@ from traces import load_target  # noqa: E402
 from traces.scenarios.what_if import with_sets  # noqa: E402
 
 
+#: Prompt tokens above which a fixture is left out of the default run (hours on 2 cores).
+LONG_TOKENS = 1_000_000
+
+
+def prompt_tokens(trace) -> int:
+    """The trace's prompt tokens, all requests together."""
+    return int(trace.requests["num_prompt_tokens"].to_numpy().sum())
+
+
 def fixture_paths() -> list[Path]:
     """Every scenario and trace directory under fixtures/, sorted."""
     found = [p for p in (ROOT / "fixtures").rglob("*.yaml")]
@@ -64,12 +77,18 @@ def main() -> int:
     ap.add_argument("fixtures", nargs="*", type=lambda s: Path(s).resolve())
     ap.add_argument("--engine", default=str(ROOT / ".venv-serve"))
     ap.add_argument("--set", action="append", dest="sets", metavar="K=V")
+    ap.add_argument("--all", action="store_true",
+                    help=f"also the fixtures of more than {LONG_TOKENS:,} prompt tokens")
     args = ap.parse_args()
     paths = [p.resolve() for p in args.fixtures] or fixture_paths()
     runnable, skipped = [], []
     for p in paths:
         trace = with_sets(load_target(p), args.sets)
         why = refusal(trace.engine)
+        tokens = prompt_tokens(trace)
+        if why is None and tokens > LONG_TOKENS and not (args.all or args.fixtures):
+            why = (f"not run by default: {tokens:,} prompt tokens through a real model "
+                   "(hours on 2 cores; name it or pass --all)")
         (skipped if why else runnable).append((p, why or trace))
     clients = {}
     starts = {}
