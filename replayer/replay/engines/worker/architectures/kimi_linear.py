@@ -13,7 +13,7 @@ CUDA ops (``torch.ops._C.fused_kimi_k3_mla_key_concat_kv_cache_insert`` and
 tensor. vLLM's other model of KDA beside MLA, ``BailingMoeV3ForCausalLM``
 (``model_executor/models/bailing_moe_v3.py``), takes both through vLLM's
 shared layers: its KDA layers run vLLM's FLA KDA kernels (Triton: here under
-Triton's interpreter, :mod:`..kda_kernels`) and the CPU causal conv, its MLA
+Triton's interpreter, :mod:`.kda_kernels`) and the CPU causal conv, its MLA
 layers vLLM's ``MultiHeadLatentAttentionWrapper`` on the backend the CPU
 platform selects for MLA (``get_attn_backend_cls``: ``AMX_MLA`` on a CPU with
 AMX tiles, whose kernels take a 576-wide latent, kv_lora_rank 512 and rope
@@ -172,7 +172,7 @@ def register_config() -> None:
 def install(label: str) -> list[str]:
     """In the engine process, before vLLM builds the engine: refuse a CPU without AMX,
     register the config class, and point the KDA layer at the interpreted kernels."""
-    from replayer.replay.engines.worker.kda_kernels import interpret_kda_kernels
+    from replayer.replay.engines.worker.architectures.kda_kernels import interpret_kda_kernels
 
     why = no_amx()
     if why is not None:
