@@ -84,7 +84,7 @@ def _match_child(trace_dir: str, spec: str) -> dict:
     quiet_child()
     import numpy as np
 
-    from replayer.replay.engines.digest_0_33 import state_digest
+    from replayer.replay.engines.digest.release_0_33 import state_digest
     from replayer.replay.execution.in_process import engine_here
     from replayer.replay.loop import ReplayRun
     from replayer.replay.segments.plan import Segment, warm_up_steps

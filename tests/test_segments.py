@@ -120,7 +120,7 @@ def test_physical_block_ids_change_nothing():
 
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
 
-    from replayer.replay.engines.digest_0_33 import state_digest
+    from replayer.replay.engines.digest.release_0_33 import state_digest
     from replayer.replay.execution.in_process import engine_here
     from replayer.replay.loop import ReplayRun
 

@@ -82,7 +82,7 @@ def test_a_store_trace_splits_with_the_sequential_bytes(waves):
 def test_the_store_section_is_what_fails_that_boundary(waves, monkeypatch):
     """The same replay with the store left out of the digest: the boundary at
     step 260 passes, and the result is not the sequential replay's."""
-    from replayer.replay.engines import digest_store
+    from replayer.replay.engines.digest import store as digest_store
 
     trace, seq = waves
     monkeypatch.setattr(digest_store, "store_section", lambda d, engine: ["blank"])

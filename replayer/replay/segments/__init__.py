@@ -4,7 +4,7 @@
 included) and says when a trace must replay in one piece; :mod:`.worker`
 replays one segment and takes the state digest at its boundaries (the digest
 itself is vLLM's state read by a per-release module,
-:mod:`replayer.replay.engines.digest_0_33`); :mod:`.hosts` runs workers in
+:mod:`replayer.replay.engines.digest.release_0_33`); :mod:`.hosts` runs workers in
 this process, a local process pool or on Ray; :mod:`.head` proves every
 boundary in order and assembles the sequential replay's result.
 """

@@ -24,15 +24,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from replayer.replay.engines.digest_walk import DigestError
+from replayer.replay.engines.digest.walk import DigestError
 from replayer.replay.segments.plan import Segment
 from traces import Trace
 from traces.model.outcome import RequestOutcome
 
 # vLLM release prefix -> the module whose ``DIGEST`` reads that release's state.
-DIGESTS = {"0.33": "replayer.replay.engines.digest_0_33",
+DIGESTS = {"0.33": "replayer.replay.engines.digest.release_0_33",
            **dict.fromkeys(("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32"),
-                           "replayer.replay.engines.digest_0_29")}
+                           "replayer.replay.engines.digest.release_0_29")}
 
 
 def digest_module(version: str) -> str | None:

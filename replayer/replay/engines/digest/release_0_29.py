@@ -1,5 +1,5 @@
 """The state digest for vLLM 0.26-0.32 (the 0.29 adapter's range): 0.33's
-(:mod:`.digest_0_33`), on the structures these releases share with it.
+(:mod:`.release_0_33`), on the structures these releases share with it.
 
 Read from each wheel's ``vllm/v1/core`` and ``v1/engine/core.py``: the
 scheduler's queues and requests, the KV-cache manager, its coordinator and
@@ -8,7 +8,7 @@ prefix-cache map, ``cached_block_hashes_by_block``), ``current_step`` against
 each request's ``next_decode_eligible_step``, and the engine core's
 ``aborts_queue`` are the same objects with the same fields, walked by the same
 code; a field one of these releases has that 0.33 lacks is walked unasked
-(:mod:`.digest_walk`), so it can only make a boundary fail. What differs:
+(:mod:`.walk`), so it can only make a boundary fail. What differs:
 
 * **No local prefill interval.** ``local_prefill_interval``,
   ``num_executed_steps`` and ``last_prefill_step`` came in 0.33; here no
@@ -19,7 +19,7 @@ code; a field one of these releases has that 0.33 lacks is walked unasked
 A field the digest reads that a release lacks fails the boundary (said once,
 never trusted), as a value it cannot encode does.
 
-The exclusions (:data:`.digest_0_33.EXCLUDED`) are the same list: a name a
+The exclusions (:data:`.release_0_33.EXCLUDED`) are the same list: a name a
 release lacks excludes nothing.
 """
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from replayer.replay.engines.digest_0_33 import EXCLUDED, DigestError, counters, state_sections
-from replayer.replay.engines.digest_walk import sha
+from replayer.replay.engines.digest.release_0_33 import EXCLUDED, DigestError, counters, state_sections
+from replayer.replay.engines.digest.walk import sha
 
 __all__ = ["DIGEST", "DigestError", "EXCLUDED", "counters", "state_digest"]
 

@@ -1,6 +1,6 @@
 """Canonical text of an engine's objects, walked by structure, for a state digest.
 
-A state digest (:mod:`.digest_0_33`) proves a time segment exact by comparing
+A state digest (:mod:`.release_0_33`) proves a time segment exact by comparing
 two engines' state. It must see every field, including ones added to vLLM
 after the digest was written, and it must never let a value it cannot read
 count as equal. So this walker writes an object as its type and *all* its

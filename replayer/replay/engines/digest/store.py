@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from replayer.replay.engines.digest_walk import DigestError
+from replayer.replay.engines.digest.walk import DigestError
 
 _CONFIG = "configuration: the same trace builds the same on both sides"
 _NAMES = ("names of keys by the first request that held their prefix: output only, "

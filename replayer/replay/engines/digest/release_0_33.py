@@ -6,7 +6,7 @@ at the boundary, its engine is in the state the replay before it reached
 there. This module says what "the state" is, by reading vLLM's own objects
 (nothing here decides what vLLM would do).
 
-The objects are walked by structure (:mod:`.digest_walk`): every field of the
+The objects are walked by structure (:mod:`.walk`): every field of the
 scheduler and each request it holds, the KV-cache manager, its coordinator and
 single-type managers, the block pool (free queue in eviction order, the
 prefix-cache map, each block's hash, reference count and hashed tokens), the
@@ -14,7 +14,7 @@ engine core, and the replayer's own state around them (the adapter, its
 per-group hits). A field is left out only where :data:`EXCLUDED` names it,
 with its reason; a field added to any of these classes is in the digest the
 day it appears, and a value the walker cannot encode raises
-:class:`~.digest_walk.DigestError`, so the boundary is not trusted (the
+:class:`~.walk.DigestError`, so the boundary is not trusted (the
 segment before replays on into it).
 
 Physical block ids are left out: a block is named by where the digest first
@@ -39,8 +39,8 @@ from typing import Any, Callable
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
-from replayer.replay.engines import digest_store
-from replayer.replay.engines.digest_walk import Canon, DigestError, sha
+from replayer.replay.engines.digest import store as digest_store
+from replayer.replay.engines.digest.walk import Canon, DigestError, sha
 
 __all__ = ["DIGEST", "DigestError", "EXCLUDED", "counters", "state_digest", "state_sections"]
 
@@ -139,7 +139,7 @@ EXCLUDED: dict[str, dict[str, str]] = {
         "first": _NAMES, "name_log": _NAMES, "row_names": _NAMES,
         "_order": "the rows' numbering from the engine's start (the head numbers them)",
         "_indexed": "written with the adapter for live and just-freed requests"},
-    # A MooncakeStore connector's objects (digest_store.py says why).
+    # A MooncakeStore connector's objects (digest/store.py says why).
     **digest_store.EXCLUDED,
 }
 
@@ -274,7 +274,7 @@ def state_sections(engine: Any, loop: dict[str, int], *,
     ``engine`` is the 0.33 adapter (:class:`~.vllm_0_33.Vllm033Engine`);
     ``loop`` the replay loop's own state at the pause (clock, idle counters);
     ``scheduler`` and ``prefix_cache``: those sections' writers (an earlier
-    release's, :mod:`.digest_0_29`, where its fields differ).
+    release's, :mod:`.release_0_29`, where its fields differ).
     Raises :class:`DigestError` on a value it cannot encode."""
     sched = engine.scheduler
     kvm = sched.kv_cache_manager
