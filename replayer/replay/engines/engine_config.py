@@ -352,6 +352,17 @@ def _method_taken_from_path(asked: str, took: str, draft: Any) -> Exception:
                        "'eagle-', 'eagle3', 'dflash', 'dspark'")
 
 
+def declared_checkpoint_fields(engine: EngineBlock) -> dict[str, Any] | None:
+    """The MambaSpec fields ``engine.mamba_prefill_checkpoint_alignment`` declares
+    (a state exported inside a prefill chunk, as Mamba2's layers do), the same on
+    every release that has them (0.30 on; older ones refuse the field); None where
+    the trace declares none and the release's own KDA rule decides."""
+    alignment = engine.mamba_prefill_checkpoint_alignment
+    if alignment is None:
+        return None
+    return {"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": alignment}
+
+
 def plan_layers(engine: EngineBlock, dtype_bytes: int) -> list[LayerPlan]:
     """One layer per declared group, plus the EAGLE draft layer and twins.
 

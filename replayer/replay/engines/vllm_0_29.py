@@ -100,6 +100,7 @@ from replayer.replay.engines.engine_config import (
     Mapping,
     Named,
     build_config,
+    declared_checkpoint_fields,
     cache_kwargs,
     given_value,
     plan_layers,
@@ -214,9 +215,9 @@ def kda_checkpoint_fields(engine: EngineBlock) -> dict[str, Any]:
     0.29 only ``num_prefill_checkpoint_blocks`` (its spec has no alignment);
     0.30 the inline alignment; 0.31 and 0.32 vLLM's own function. With
     ``engine.mamba_prefill_checkpoint_alignment`` (0.30 and later), that alignment."""
-    if engine.mamba_prefill_checkpoint_alignment is not None:
-        return {"num_prefill_checkpoint_blocks": 1,
-                "prefill_checkpoint_alignment": engine.mamba_prefill_checkpoint_alignment}
+    declared = declared_checkpoint_fields(engine)
+    if declared is not None:
+        return declared
     backend = engine.kda_prefill_backend
     if backend is None:
         return {}

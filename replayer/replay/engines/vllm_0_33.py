@@ -39,6 +39,7 @@ from replayer.replay.engines.engine_config import (
     LayerPlan,
     Mapping,
     build_config,
+    declared_checkpoint_fields,
     plan_layers,
     refuse_dropped,
 )
@@ -94,9 +95,9 @@ def kda_checkpoint_fields(engine: EngineBlock) -> dict[str, Any]:
     internal prefill-checkpoint block at vLLM's own alignment, so a chunk can
     publish a state inside itself instead of stopping at a block boundary; with
     ``engine.mamba_prefill_checkpoint_alignment``, that alignment (Mamba2's)."""
-    if engine.mamba_prefill_checkpoint_alignment is not None:
-        return {"num_prefill_checkpoint_blocks": 1,
-                "prefill_checkpoint_alignment": engine.mamba_prefill_checkpoint_alignment}
+    declared = declared_checkpoint_fields(engine)
+    if declared is not None:
+        return declared
     if engine.kda_prefill_backend is None:
         return {}
     from vllm.model_executor.layers.mamba.kda_checkpoint import (
