@@ -17,6 +17,10 @@ reaches every rank:
   ``TRITON_INTERPRET`` comes with the environment the spawned process copies):
   installed from :data:`SEAMS_KEY` in ``vllm_config.additional_config``, which
   vLLM hands every rank with its config;
+* **KDA beside MLA** (Kimi-K3's shape): the FLA KDA kernels' interpreted copy,
+  the config class and the draft-verification guard
+  (:func:`.architectures.kimi_linear.install`), made in this process as the
+  one-rank worker's executor makes them in the replay's;
 * **forced tokens**: a :class:`~.forced.ForcedTokens` on this rank's runner.
   Every rank samples, and each keeps its sampled tokens for its next step, so
   each is forced to the trace's. The parent sends, with every step
@@ -52,6 +56,10 @@ def install_process_seams(seams: dict[str, Any]) -> None:
 
         interpret_kernels(seams["label"])
         pack_index_args()
+    if seams.get("kda_mla"):
+        from replayer.replay.engines.worker.architectures import kimi_linear
+
+        kimi_linear.install(seams["label"])    # AMX, the config class, KDA interpreted
 
 
 class RankWorker(CPUWorker):

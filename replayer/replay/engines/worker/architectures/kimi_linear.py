@@ -28,7 +28,8 @@ prefill checkpoints (FlashKDA is a CUDA kernel, ``vllm._flashkda_C``, and the
 layers that export its checkpoints are ``KimiK3DeltaAttention``'s), a CPU
 without AMX (the platform then takes ``CPU_MLA``, whose decode kernel is built
 for 16-token blocks only, and forces that block size), blocks not a multiple of
-128 (vLLM's hybrid alignment for MLA), TP above 1 (not built here yet). And at
+128 (vLLM's hybrid alignment for MLA). At TP N each rank process makes its own
+interpreted copy of the KDA kernels (:mod:`..rank_worker`). And at
 run time, in one line, the first step that would verify EAGLE drafts on a KDA
 layer (:data:`CONV_VERIFY_ON_CPU`).
 """
@@ -82,10 +83,6 @@ def refusal(engine: EngineBlock, layers: list[str] | None = None) -> str | None:
                 + DCP_ON_CPU_MLA)
     if engine.kda_prefill_backend == "flashkda":
         return FLASHKDA_ON_CPU
-    if engine.tensor_parallel_size != 1:
-        return (f"tensor_parallel_size {engine.tensor_parallel_size} with KDA and MLA "
-                "layers (the KDA kernels' interpreter is installed in the replay's own "
-                "process only, not yet in rank processes)")
     if engine.kv_groups[0].block_size % 128:
         return (f"block size {engine.kv_groups[0].block_size} with MLA beside KDA: vLLM's "
                 "hybrid alignment keeps an MLA model's blocks a multiple of 128 "
@@ -116,7 +113,8 @@ def _group_size(layers: list[str]) -> int | None:
 
 def target_config(engine: EngineBlock, layers: list[str]) -> tuple[dict[str, Any], str]:
     """A BailingMoeV3 with the null executor's KDA and MLA layer counts, KDA first
-    (so vLLM lists the KDA groups before the MLA group, as the trace does)."""
+    (so vLLM lists the KDA groups before the MLA group, as the trace does); one
+    KDA and one MLA head a rank (vLLM splits both over the TP ranks)."""
     group = _group_size(layers)
     if group is None:
         raise UnsupportedByEngine(f"the model worker cannot replay this trace: "
@@ -126,7 +124,8 @@ def target_config(engine: EngineBlock, layers: list[str]) -> tuple[dict[str, Any
         "architectures": [TARGET_ARCH], "model_type": CONFIG_MODEL_TYPE,
         "vocab_size": engine.vocab_size, "max_position_embeddings": max_pos,
         "hidden_size": HIDDEN, "intermediate_size": 256, "num_hidden_layers": len(layers),
-        "layer_group_size": group, "num_attention_heads": 1, "num_key_value_heads": 1,
+        "layer_group_size": group, "num_attention_heads": engine.tensor_parallel_size,
+        "num_key_value_heads": 1,
         "head_dim": KDA_HEAD_DIM, "short_conv_kernel_size": 4, "no_kda_lora": True,
         "kda_safe_gate": True, "kda_lower_bound": -5.0,
         "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None,
@@ -144,8 +143,8 @@ def draft_config(target: dict[str, Any]) -> dict[str, Any]:
     return {
         "architectures": ["EagleMistralLarge3ForCausalLM"], "model_type": "deepseek_v3",
         "hidden_size": target["hidden_size"], "intermediate_size": 256,
-        "num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
-        "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None,
+        "num_hidden_layers": 1, "num_attention_heads": target["num_attention_heads"],
+        "num_key_value_heads": 1, "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None,
         "qk_rope_head_dim": QK_ROPE_HEAD_DIM, "qk_nope_head_dim": QK_NOPE_HEAD_DIM,
         "v_head_dim": V_HEAD_DIM, "n_routed_experts": 1,
         "first_k_dense_replace": 1 << 20, "vocab_size": target["vocab_size"],
