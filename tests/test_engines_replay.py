@@ -148,7 +148,7 @@ def test_0320_finds_an_mtp_drafters_group_by_its_last_layer():
     drafter's (``_annotate_eagle_groups``); a real drafter registers after the
     target, so the null executor lists the draft's layer last. With a twin last,
     0.32 flagged the window group and hit 32, 0 and 64 here, 0.29's fallback."""
-    from replayer.replay.engines.engine_config import plan_layers
+    from replayer.replay.engines.config.engine_config import plan_layers
 
     engine = load_target(SCENARIOS / "mtp_draft_group.yaml").engine
     assert [p.draft for p in plan_layers(engine, 2)] == [False, False, False, True]

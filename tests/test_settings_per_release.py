@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import REPO, SCENARIOS, cli, cli_here
-from replayer.replay.engines.engine_config import SETTINGS, Env, Lacking, Named
+from replayer.replay.engines.config.engine_config import SETTINGS, Env, Lacking, Named
 from replayer.replay.engines.settings_table import (
     config_fields,
     env_defaults,
@@ -144,7 +144,7 @@ def test_a_release_lacking_a_set_setting_refuses_it_both_ways(tmp_path):
     process for the same line proved nothing the other two do not."""
     from replayer.cli.common import load_with_sets
     from replayer.replay.engines import UnsupportedByEngine, vllm_0_29
-    from replayer.replay.engines.engine_config import refuse_dropped
+    from replayer.replay.engines.config.engine_config import refuse_dropped
 
     in_file = load_with_sets(_with_engine(tmp_path, JUNCTION,
                                           enable_mamba_shared_prefix_checkpoint=True), [])

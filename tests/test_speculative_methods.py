@@ -91,7 +91,7 @@ def test_dspark_reserves_eight_lookahead_slots_and_drops_nothing(tmp_path):
 
 
 def test_dspark_draft_is_the_tiny_qwen3_dspark_config():
-    from replayer.replay.engines.engine_config import draft_model
+    from replayer.replay.engines.config.engine_config import draft_model
 
     block = EngineBlock.from_dict("s.yaml", {"speculative": {"method": "dspark",
                                                             "num_speculative_tokens": 8}})
@@ -107,7 +107,8 @@ def test_a_draft_path_naming_another_method_is_refused_not_replayed_wrong(tmp_pa
     folder named dspark the tiny MTP draft would replay as DSpark (no drop)."""
     import shutil
 
-    from replayer.replay.engines import EngineError, engine_config
+    from replayer.replay.engines import EngineError
+    from replayer.replay.engines.config import engine_config
     from replayer.replay.engines.vllm_0_33 import build_vllm_config
 
     draft = tmp_path / "dspark-checkout" / "tiny-mtp"

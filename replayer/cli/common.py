@@ -103,7 +103,7 @@ def replay_target(target, args, run, **sink):
     (a runner in this process)."""
     from replayer.cli.progress import ProgressBar
     from replayer.replay.engines import EngineError
-    from replayer.replay.engines.config_errors import BUILD_FAILED
+    from replayer.replay.engines.config.errors import BUILD_FAILED
 
     store = ready_store(target, args)
     bar = ProgressBar(enabled=None if not args.no_progress else False)

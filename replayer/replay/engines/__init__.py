@@ -242,8 +242,8 @@ def open_engine(engine: EngineBlock, spec: "ResolvedEngine", store: Any = None,
                                          kv_events=kv_events, **extra)
     except (ValueError, AssertionError, NotImplementedError) as exc:
         # vLLM validates geometry with ValueError/AssertionError (pydantic's too):
-        # one line naming the engine field (replayer.replay.engines.config_errors).
-        from replayer.replay.engines.config_errors import describe
+        # one line naming the engine field (replayer.replay.engines.config.errors).
+        from replayer.replay.engines.config.errors import describe
 
         raise EngineError(describe(exc, version)) from exc
     if kv_events and not adapter.supports_kv_events:

@@ -8,7 +8,7 @@ From 0.29 to 0.33, what the replay touches of ``EngineCore`` is the same:
 the worker calls EngineCore makes while it plans the KV cache; and the
 ``ModelRunnerOutput``, ``DraftTokenIds`` and ``EngineCoreOutput.prefill_stats``
 dataclasses. That shared part lives here (its config objects and layer plan in
-:mod:`.engine_config`). Everything that differs (config
+:mod:`.config.engine_config`). Everything that differs (config
 fields, KV-cache spec constructors, what a release lacks) stays in the
 adapter of each release range, which builds the config and the layer specs
 and hands them to :class:`CoreEngine`.

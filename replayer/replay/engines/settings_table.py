@@ -17,7 +17,7 @@ from functools import cache
 from pathlib import Path
 
 from replayer.replay.engines import adapter_module_for
-from replayer.replay.engines.engine_config import SETTINGS, Env, Lacking, Mapping, Named
+from replayer.replay.engines.config.engine_config import SETTINGS, Env, Lacking, Mapping, Named
 from replayer.replay.engines.sources.releases import KNOWN_RELEASES, release_sources
 
 

@@ -3,7 +3,7 @@
 The null executor reports one hand-made KV-cache layer per group; a real worker
 reports the layers of a real model. So the model must have the trace's
 geometry: one layer of the right kind for each layer the null executor would
-report (:func:`replayer.replay.engines.engine_config.plan_layers`, twins
+report (:func:`replayer.replay.engines.config.engine_config.plan_layers`, twins
 included), in the same order, so that vLLM's own grouping
 (``_get_kv_cache_groups_uniform_page_size``) makes the same KV-cache groups
 from it. Which architecture serves which kinds:
@@ -160,7 +160,7 @@ def check_geometry(engine: EngineBlock, label: str) -> None:
 
 def _target_layers(engine: EngineBlock) -> list[str]:
     """The target's layer kinds, in the null executor's order (twins included)."""
-    from replayer.replay.engines.engine_config import plan_layers   # imports vLLM
+    from replayer.replay.engines.config.engine_config import plan_layers   # imports vLLM
 
     return [p.kind for p in plan_layers(engine, 2) if not p.draft]
 
@@ -280,7 +280,7 @@ def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
     The target's directory has the null executor's model's name: the
     MooncakeStore connector names every key by it (``<model>@tp_rank:0@...``),
     so both workers write the same keys."""
-    from replayer.replay.engines.engine_config import TARGET_MODEL, WIDE_TARGET_MODEL
+    from replayer.replay.engines.config.engine_config import TARGET_MODEL, WIDE_TARGET_MODEL
 
     target, dtype = target_config(engine)
     spec = engine.speculative

@@ -342,7 +342,7 @@ def _method_taken_from_path(asked: str, took: str, draft: Any) -> Exception:
     checkout under a folder named e.g. ``dspark`` turns the tiny MTP draft into a
     DSpark one and changes every hit: refused rather than replayed wrong."""
     from replayer.replay.engines.base import EngineError
-    from replayer.replay.engines.config_errors import BUILD_FAILED
+    from replayer.replay.engines.config.errors import BUILD_FAILED
 
     words = [w for w in ("eagle-", "eagle3", "dflash", "dspark") if w in str(draft).lower()]
     return EngineError(f"engine.speculative.method {asked}: {BUILD_FAILED} here: vLLM took "
