@@ -558,6 +558,33 @@ def test_a_kimi_k3_shaped_resend_gives_the_null_executors_hits_and_puts(workers,
     assert all(r.logprobs and all(lp <= 0.0 for lp in r.logprobs) for r in model.requests)
 
 
+def test_a_kimi_k3_shaped_resend_at_tp2_gives_each_ranks_puts(workers, tmp_path):
+    # One process per rank (worker/ranks.py), each making its own interpreted copy
+    # of the FLA KDA kernels (rank_worker.install_process_seams): the null
+    # executor's hits and every rank's puts; the MLA group's puts striped over
+    # the ranks (its latent is one KV head), the KDA states on both.
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX tiles: the Kimi-K3 slice is refused (the TP 1 test holds it)")
+    path = tmp_path / "kimi_tp2.yaml"
+    path.write_text(KIMI_SLICE.replace("  connector: mooncake_store\n",
+                                       "  connector: mooncake_store\n"
+                                       "  tensor_parallel_size: 2\n"))
+    trace = load_target(path)
+    assert trace.engine.tensor_parallel_size == 2 and refusal(trace.engine) is None
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert worker_differences(null, model) == []
+    assert model.by_id()["p_again"].num_cached_tokens == 192
+    puts = sorted({(r["rank"], r["group"], r["boundary"])
+                   for r in model.store["rows"] if r["op"] == "put"})
+    kda = [(rank, g, b) for rank in (0, 1) for g in (0, 1, 2) for b in (128, 192)]
+    assert puts == sorted(kda + [(0, 3, 256), (1, 3, 128)])
+    gets = [r for r in model.store["rows"] if r["op"] == "get" and r["result"] >= 0]
+    assert gets and model.store["gets_checked"] == len(gets)
+    assert all(r.logprobs and all(lp <= 0.0 for lp in r.logprobs) for r in model.requests)
+
+
 def test_the_kimi_k3_fixtures_name_what_this_cpu_lacks():
     # At DCP 8: no CPU MLA implementation returns a decode's softmax LSE; at DCP 1,
     # FlashKDA's checkpoints (a CUDA kernel).
