@@ -64,6 +64,53 @@ class _Names:
             self.at += 1
 
 
+class _Faults:
+    """Each ``store_fault`` armed, counted as the sequential replay counts it.
+
+    An owner's report lists the faults armed from its warm-up on, in order: a
+    suffix of the exact path's list (its part holds every event from its
+    warm-up on). The first ``w`` of them were armed in its warm-up (before its
+    own engine steps at its start boundary), the rest from its start on, so
+    its list lines up with the faults assembled so far. A fault still armed
+    at a matched boundary is in the next owner's list (the digest writes the
+    armed ones), so the last owner holding a fault either ran to the end or
+    saw it fire its last before the next one started: its count, and its note
+    of an unused fault, are the sequential replay's. Steps are the owner's
+    engine steps, offset as rows' are by the owner that armed it."""
+
+    def __init__(self) -> None:
+        self.faults: list[dict] = []
+        self.notes_of: list[str | None] = []
+
+    def owner(self, rep: dict, own_start: int, own_end: int | None, shift: int) -> None:
+        """``own_start``, ``own_end``: the owner's own engine steps at its start
+        and end boundaries (None: it ran to the end); ``shift`` to exact steps."""
+        warm = sum(1 for f in rep["faults"] if f["step"] < own_start)
+        at = len(self.faults) - warm
+        for j, f in enumerate(rep["faults"]):
+            if j >= warm and own_end is not None and f["step"] >= own_end:
+                break                       # armed in the next owner's range
+            if j >= warm:
+                self.faults.append({**f, "step": f["step"] + shift})
+                self.notes_of.append(None)
+            mine = self.faults[at + j]
+            mine["fired"] = f["fired"]
+            # Its note as this owner said it, the step made the exact path's.
+            tail = f"armed before step {f['step']} fired {f['fired']} of {f['times']} "
+            said = [n for n in rep["notes"] if n.startswith(f"store_fault {f['op']} (")
+                    and tail in n]
+            self.notes_of[at + j] = said[0].replace(
+                tail, f"armed before step {mine['step']} fired {f['fired']} of {f['times']} ",
+            ) if said and f["fired"] < f["times"] else None
+
+    def report(self) -> list[dict]:
+        return self.faults
+
+    def notes(self) -> list[str]:
+        """The note of each fault that fired fewer times than armed for."""
+        return [n for n in self.notes_of if n is not None]
+
+
 def assemble_store(parts: list[tuple[Any, Any]]) -> tuple[dict[str, Any] | None, set[str]]:
     """The sequential replay's store report from its owners' parts (each
     ``(owner, outcome)``: the owner's marks and step offset, the outcome's whole
@@ -84,12 +131,13 @@ def assemble_store(parts: list[tuple[Any, Any]]) -> tuple[dict[str, Any] | None,
     checked = corrupted = 0
     own_notes: set[str] = set()
     reports = []
-    for o, rep, start, end in _parts(parts, "store", totals):
-        if rep["faults"]:
-            raise RuntimeError("store faults do not replay in segments")
+    faults = _Faults()
+    nexts = [o.steps for o, _ in parts[1:]] + [None]
+    for (o, rep, start, end), nxt in zip(_parts(parts, "store", totals), nexts):
+        shift = o.steps - o.own_steps
+        faults.owner(rep, o.own_steps, None if nxt is None else nxt - shift, shift)
         reports.append(rep)
         own_notes.update(rep["notes"])
-        shift = o.steps - o.own_steps
         base = len(rows) - start["rows"]
         names.owner(rep["names"], start["names"])
         for r in rep["rows"][start["rows"]:end["rows"]]:
@@ -108,10 +156,11 @@ def assemble_store(parts: list[tuple[Any, Any]]) -> tuple[dict[str, Any] | None,
         corrupted += end["gets_corrupted"] - start["gets_corrupted"]
     head = reports[0]
     refused = [r for r in rows if r["op"] == "put" and r["result"] == NO_AVAILABLE_HANDLE]
-    notes = [] if not refused else [pressure_note(
+    notes = faults.notes() + ([] if not refused else [pressure_note(
         head["label"], head["backend"],
-        (refused[0]["step"], refused[0]["rank"], refused[0]["key"]), len(refused))]
-    return ({"backend": head["backend"], "rows": rows, "lookups": lookups, "faults": [],
+        (refused[0]["step"], refused[0]["rank"], refused[0]["key"]), len(refused))])
+    return ({"backend": head["backend"], "rows": rows, "lookups": lookups,
+             "faults": faults.report(),
              "gets_checked": checked, "gets_corrupted": corrupted, "label": head["label"],
              "notes": notes, "seconds": sum(r["seconds"] for r in reports)}, own_notes)
 

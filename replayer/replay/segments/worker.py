@@ -149,6 +149,8 @@ class SegmentWorker:
         self._digest: Callable[..., dict[str, str]] | None = None
         self._counters: Callable[[Any], dict[str, int]] | None = None
         self.owned_end = segment.end
+        # The part's events, for the digest's list of those still to come.
+        self._events = trace.events.to_pylist() if trace.events is not None else []
         self._clock = time.perf_counter()
         self.timings: dict[str, float] = {}
 
@@ -162,12 +164,18 @@ class SegmentWorker:
         spent, self._clock = now - self._clock, now
         return spent
 
+    def _pending(self, clock: int) -> list[dict[str, Any]]:
+        """The part's events not yet run at a pause at ``clock`` (the loop pauses
+        before the events due then): an ``evict``, ``store_remove`` or
+        ``store_fault`` among them reads state from before the boundary."""
+        return [e for e in self._events if e["at_step"] is not None and e["at_step"] >= clock]
+
     def _boundary(self, point: int) -> Boundary:
         run = self._run
         loop = {"clock": run.clock, "idle": run.idle, "since_progress": run.since_progress}
         seconds = self._lap()
         try:
-            digest, unreadable = self._digest(self._engine, loop), None
+            digest, unreadable = self._digest(self._engine, loop, self._pending(run.clock)), None
         except DigestError as exc:
             digest, unreadable = None, str(exc)
         except AttributeError as exc:       # a field this release lacks: never trusted

@@ -25,7 +25,7 @@ release lacks excludes nothing.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from replayer.replay.engines.digest.release_0_33 import EXCLUDED, DigestError, counters, state_sections
 from replayer.replay.engines.digest.walk import sha
@@ -40,13 +40,14 @@ def _scheduler(d: Any, sched: Any) -> list[str]:
     return [d.obj(sched, "scheduler")]
 
 
-def state_digest(engine: Any, loop: dict[str, int]) -> dict[str, str]:
+def state_digest(engine: Any, loop: dict[str, int],
+                 pending: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
     """Each section's hash, and ``total`` over them all (as 0.33's)."""
-    sections = state_sections(engine, loop, scheduler=_scheduler)
+    sections = state_sections(engine, loop, pending, scheduler=_scheduler)
     parts = {name: sha(lines) for name, lines in sections.items()}
     parts["total"] = sha([f"{k}={v}" for k, v in parts.items()])
     return parts
 
 
 # What the segment runner calls (one name per digest module).
-DIGEST: Callable[[Any, dict[str, int]], dict[str, str]] = state_digest
+DIGEST: Callable[..., dict[str, str]] = state_digest

@@ -34,11 +34,12 @@ boundary by :func:`counters`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
+from replayer.replay.engines.digest import events as digest_events
 from replayer.replay.engines.digest import store as digest_store
 from replayer.replay.engines.digest.walk import Canon, DigestError, sha
 
@@ -125,7 +126,10 @@ EXCLUDED: dict[str, dict[str, str]] = {
         "_outputs": "the trace's output tokens: written below for live requests only",
         "_sampled": "reset by the next step's model output before anything reads it",
         "notes": "said at the end, merged from every segment; no decision reads them",
-        "group_hits": _OWN},
+        "group_hits": _OWN,
+        "evictor": _OWN + " (events: the block hashes of each request an evict to come names)",
+        "_evict_targets": "the requests the part's evict events name (those to come are "
+                          "written in the events section)"},
     "GroupHits": {"coordinator": "the KV-cache manager's (walked)",
                   "kinds": _CONFIG, "eagle": _CONFIG,
                   "lookups": _COUNT, "_count": _COUNT},
@@ -265,7 +269,7 @@ def _blocks(d: _Digest, pool: Any) -> list[str]:
     return [f"{len(d.blocks)} met, {unmet} held elsewhere", *rows]
 
 
-def state_sections(engine: Any, loop: dict[str, int], *,
+def state_sections(engine: Any, loop: dict[str, int], pending: Sequence[dict[str, Any]] = (), *,
                    scheduler: Callable[[_Digest, Any], list[str]] = _scheduler,
                    prefix_cache: Callable[[_Digest, Any], list[str]] = _prefix_cache,
                    ) -> dict[str, list[str]]:
@@ -273,6 +277,7 @@ def state_sections(engine: Any, loop: dict[str, int], *,
 
     ``engine`` is the 0.33 adapter (:class:`~.vllm_0_33.Vllm033Engine`);
     ``loop`` the replay loop's own state at the pause (clock, idle counters);
+    ``pending`` the part's events not yet run (:mod:`.events`);
     ``scheduler`` and ``prefix_cache``: those sections' writers (an earlier
     release's, :mod:`.release_0_29`, where its fields differ).
     Raises :class:`DigestError` on a value it cannot encode."""
@@ -294,13 +299,17 @@ def state_sections(engine: Any, loop: dict[str, int], *,
     store = digest_store.store_section(d, engine)
     if store:                                  # a MooncakeStore trace's
         out["store"] = store
+    events = digest_events.events_section(d, engine, pending)
+    if events:                                 # targeted events to come
+        out["events"] = events
     out["blocks"] = _blocks(d, kvm.block_pool)
     return out
 
 
-def state_digest(engine: Any, loop: dict[str, int]) -> dict[str, str]:
+def state_digest(engine: Any, loop: dict[str, int],
+                 pending: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
     """Each section's hash, and ``total`` over them all."""
-    sections = state_sections(engine, loop)
+    sections = state_sections(engine, loop, pending)
     parts = {name: sha(lines) for name, lines in sections.items()}
     parts["total"] = sha([f"{k}={v}" for k, v in parts.items()])
     return parts
@@ -314,4 +323,4 @@ def counters(engine: Any) -> dict[str, int]:
 
 
 # What the segment runner calls (one name per digest module).
-DIGEST: Callable[[Any, dict[str, int]], dict[str, str]] = state_digest
+DIGEST: Callable[..., dict[str, str]] = state_digest

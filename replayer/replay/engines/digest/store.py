@@ -96,6 +96,8 @@ EXCLUDED: dict[str, dict[str, str]] = {
     "StoreConnectorEngine": {"session": _OWN, "boundaries": _NAMES, "name_log": _NAMES,
                              "_named": _OWN + " (live requests' counts)"},
     "InProcessLookupClient": {"session": _OWN},
+    "Fault": {"step": "the engine step it was armed before, counted from the engine's "
+                      "start: said in its note only (the head offsets it)"},
 }
 
 
@@ -119,12 +121,14 @@ def _store(d: Any, session: Any) -> list[str]:
 
 def _ops(d: Any, ops: Any) -> list[str]:
     """What the recorder's shared log carries forward: the keys a get is checked
-    against (their sizes, in order), armed faults; never failures (raised each step)."""
+    against (their sizes, in order), the faults still armed (one that fired its
+    last acts no more); never failures (raised each step)."""
     if ops.failures:
         raise DigestError("store: failures not yet raised at the pause")
     sizes = " ".join(f"{k}:{','.join(map(str, v))}" for k, v in ops.put_sizes.items())
+    armed = [f for f in ops.faults if f.fired < f.times]
     return ["checked " + " ".join(ops.put_crc), "sizes " + sizes,
-            "faults " + d.enc(ops.faults, "store.ops.faults")]
+            "faults " + d.enc(armed, "store.ops.faults")]
 
 
 def _scheduler_side(d: Any, sched: Any) -> list[str]:
