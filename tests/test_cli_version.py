@@ -16,5 +16,5 @@ def test_version_names_the_package_vllm_and_the_release_ranges():
 
     assert proc.stdout.splitlines() == [
         f"replayer {version}",
-        f"vLLM {metadata.version('vllm')} installed; replays vLLM releases 0.26.x-0.32.x, 0.33.x"]
+        f"vLLM {metadata.version('vllm')} installed; replays vLLM releases 0.26.x-0.32.x, 0.33.x-0.34.x"]
     assert re.fullmatch(r"\d+\.\d+\.\d+", metadata.version("vllm"))

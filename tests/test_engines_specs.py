@@ -55,7 +55,7 @@ def test_release_with_another_operator():
 def test_release_outside_every_range_names_the_ranges():
     line = assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm==0.25.1"),
                             "engine 'vllm==0.25.1'", "no adapter for vLLM 0.25.1")
-    assert line.endswith("(supported release ranges: 0.26.x-0.32.x, 0.33.x)")
+    assert line.endswith("(supported release ranges: 0.26.x-0.32.x, 0.33.x-0.34.x)")
 
 
 def test_unknown_word_is_neither_spec_nor_path():
@@ -79,7 +79,7 @@ def test_tree_whose_release_cannot_be_told(tmp_path):
 def test_tree_of_an_unsupported_release(tmp_path):
     tree = fake_tree(tmp_path / "t", version="0.20.1")
     assert_bad_input(cli_here("run", FIXTURE, "--engine", tree / "vllm"),
-                     "no adapter for vLLM 0.20.1", "0.26.x-0.32.x, 0.33.x")
+                     "no adapter for vLLM 0.20.1", "0.26.x-0.32.x, 0.33.x-0.34.x")
 
 
 # --- vllm@<commit>: a commit of the checkout PREFIX_REPLAYER_VLLM_CHECKOUT names --------
@@ -122,7 +122,7 @@ def test_a_commit_past_every_range_is_refused_in_one_line(tmp_path):
     line = assert_bad_input(cli_here("run", FIXTURE, "--engine", "vllm@HEAD", env=env),
                             "engine 'vllm@HEAD'", f"commit {sha[:12]} follows tag v0.25.0",
                             "no adapter for vLLM 0.25.0")
-    assert line.endswith("(supported release ranges: 0.26.x-0.32.x, 0.33.x)")
+    assert line.endswith("(supported release ranges: 0.26.x-0.32.x, 0.33.x-0.34.x)")
 
 
 def test_a_commit_needs_the_checkout_and_the_commit_in_it(tmp_path):
@@ -270,7 +270,7 @@ def test_release_cache_starts_from_nothing(tmp_path, monkeypatch, capsys):
 
 
 def test_every_release_range_has_a_store_adapter_and_others_are_refused_plainly():
-    """One store adapter serves 0.29-0.33 (its seams are the same there: see
+    """One store adapter serves 0.29-0.34 (its seams are the same there: see
     tests/test_store_releases.py); a release no store adapter serves (0.26-0.28,
     whose lookup answers a bare count) is refused by name, before any vLLM import."""
     from replayer.replay.engines import (ADAPTERS, STORE_ADAPTERS, UnsupportedByEngine,
@@ -279,13 +279,13 @@ def test_every_release_range_has_a_store_adapter_and_others_are_refused_plainly(
     assert set(ADAPTERS) - set(STORE_ADAPTERS) == {"0.26", "0.27", "0.28"}
     with pytest.raises(UnsupportedByEngine, match=r"^vllm 0.27.1: connector replay"):
         check_connector("0.27.1", "mooncake_store", "vllm 0.27.1")
-    for version in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.33.2"):
+    for version in ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.33.2", "0.34.0"):
         check_connector(version, "mooncake_store", f"vllm {version}")
-    check_connector("0.34.0", None, "vllm 0.34.0")           # no connector: nothing to serve
+    check_connector("0.35.0", None, "vllm 0.35.0")           # no connector: nothing to serve
     with pytest.raises(UnsupportedByEngine, match=(
-            r"^vllm 0.34.0: connector replay \(mooncake_store\) is not supported on vLLM "
-            r"0.34.0 yet \(its MooncakeStore API differs; replayed on 0.29.x, ")):
-        check_connector("0.34.0", "mooncake_store", "vllm 0.34.0")
+            r"^vllm 0.35.0: connector replay \(mooncake_store\) is not supported on vLLM "
+            r"0.35.0 yet \(its MooncakeStore API differs; replayed on 0.29.x, ")):
+        check_connector("0.35.0", "mooncake_store", "vllm 0.35.0")
 
 
 def test_connector_trace_without_goldens_for_a_release_is_not_replayed(tmp_path):

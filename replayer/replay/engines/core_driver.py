@@ -186,6 +186,10 @@ class CoreEngine(EngineAdapter):
     """
 
     supports_kv_events = True
+    # 0.26-0.33's ModelRunnerOutput maps each request to its row
+    # (``req_id_to_index``); 0.34 dropped the field, its scheduler reads the rows
+    # in ``req_ids`` order. An adapter serving 0.34 sets this False.
+    runner_output_index = True
 
     def __init__(self, config: Any, layer_specs: dict[str, Any], version: str,
                  executor_cls: type[NullExecutor] = NullExecutor) -> None:
@@ -283,9 +287,9 @@ class CoreEngine(EngineAdapter):
             else:
                 sampled.append([])
         extra = {} if kv_out is None else {"kv_connector_output": kv_out}
-        return ModelRunnerOutput(req_ids=req_ids,
-                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                 sampled_token_ids=sampled, **extra)
+        if self.runner_output_index:
+            extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **extra)
 
     def _drafts(self) -> DraftTokenIds | None:
         if not self.num_spec or not self._sampled:

@@ -1,4 +1,4 @@
-"""Adapter for vLLM 0.33.x: builds the real EngineCore over a null executor.
+"""Adapter for vLLM 0.33.x and 0.34.x: builds the real EngineCore over a null executor.
 
 Everything specific to this vLLM release range lives here: config classes,
 KV-cache spec classes (with ``is_draft``), the MooncakeStore connector
@@ -14,6 +14,17 @@ workers would, reports the KV-cache layer specs the trace's geometry asks for,
 and answers each step with the trace's output tokens. Drafts proposed for
 speculative decoding are the request's true next tokens, so every draft is
 accepted unless a recorded steps table says otherwise.
+
+0.34 runs here too: what the replay touches of it is 0.33's (the config
+fields the engine block sets, the KV-cache spec constructors with
+``is_draft``, ``EngineCore``, the Executor calls, ``EngineCoreOutput.prefill_stats``),
+read in both wheels' sources, but for one field: 0.34's ``ModelRunnerOutput``
+has no ``req_id_to_index`` (its scheduler reads the rows in ``req_ids``
+order), so the null model's output leaves it out there
+(:attr:`.CoreEngine.runner_output_index`). What 0.34 changed in the code the
+replay runs (the block pool's map, the hit limit on ``Request``, finished
+Mamba requests caching their last state) is vLLM's own and runs as it is
+(docs/engines.md, "0.34").
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from replayer.replay.engines import release_prefix
 from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.core_driver import CoreEngine
 from replayer.replay.engines.config.engine_config import (
@@ -51,11 +63,13 @@ from replayer.replay.engines.connector.mooncake_0_33 import (
 from replayer.replay.engines.prefix_hashes import PrefixHashCache
 from traces.model.engine_spec import EngineBlock
 
-VERSIONS = ("0.33",)          # release range this adapter serves
+VERSIONS = ("0.33", "0.34")   # release range this adapter serves
+# Releases whose ModelRunnerOutput still carries req_id_to_index (0.34 dropped it).
+RUNNER_OUTPUT_INDEX = ("0.33",)
 DTYPE = torch.float16
-# 0.33 has every scenario setting under the name SETTINGS gives (read from its
-# vllm/config/*.py; tests/test_settings_per_release.py checks them).
-RELEASE_SETTINGS: dict[str, Mapping] = {"0.33": {}}
+# 0.33 and 0.34 have every scenario setting under the name SETTINGS gives (read
+# from their vllm/config/*.py; tests/test_settings_per_release.py checks them).
+RELEASE_SETTINGS: dict[str, Mapping] = {"0.33": {}, "0.34": {}}
 
 
 def release_settings(version: str) -> Mapping:
@@ -134,6 +148,7 @@ class Vllm033Engine(StoreConnectorEngine):
     def __init__(self, engine: EngineBlock, version: str, store=None,
                  recorder: Any = None, kv_events: bool = False) -> None:
         config = build_vllm_config(engine, kv_events)
+        self.runner_output_index = release_prefix(version, RUNNER_OUTPUT_INDEX) is not None
         if recorder is not None:            # the caller's hooks (see replay.engines.open_engine)
             recorder(config, version, bool(engine.connector))
         super().__init__(config, layer_specs(engine), version, engine, store)
@@ -169,10 +184,30 @@ class Vllm033Engine(StoreConnectorEngine):
         return int(cfg.cache_hit_alignment_tokens or cfg.hash_block_size or 1)
 
 
+# Releases whose MooncakeStore lookup client keeps a non-blocking lookup's
+# result and hands it out again until the request is allocated or
+# lookup_prefetch_ttl_s of wall time (2 s) pass, and with lookup_prefetch_limit
+# looks up when a request is added (LookupKeyClient.lookup and prefetch, 0.34).
+WALL_CLOCK_LOOKUPS = ("0.34",)
+
+
+def refuse_wall_clock_lookups(engine: EngineBlock, version: str) -> None:
+    """A replay has no wall clock: ``lookup_async`` is refused where the lookup
+    client's answer depends on one (0.29-0.33 look up afresh each time)."""
+    if engine.connector == "mooncake_store" and (engine.connector_config or {}).get(
+            "lookup_async") and release_prefix(version, WALL_CLOCK_LOOKUPS) is not None:
+        raise UnsupportedByEngine(
+            f"vllm {version}: connector_config.lookup_async: vLLM {version}'s MooncakeStore "
+            "lookup client reuses a non-blocking lookup's result for up to "
+            "lookup_prefetch_ttl_s of wall time (LookupKeyClient.lookup), which a replay "
+            "has no clock for; replayed on 0.29-0.33, or without lookup_async")
+
+
 def open_engine(engine: EngineBlock, version: str, store=None,
                 recorder: Any = None, kv_events: bool = False,
                 worker: str = "null") -> CoreEngine:
-    refuse_dropped(engine, release_settings(version), version)    # none lacking in 0.33
+    refuse_dropped(engine, release_settings(version), version)    # none lacking in 0.33-0.34
+    refuse_wall_clock_lookups(engine, version)
     if worker == "model":
         return model_engine(engine, version, recorder, kv_events)
     return Vllm033Engine(engine, version, store=store, recorder=recorder,

@@ -58,7 +58,7 @@ Seams, and only these:
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from vllm.config import KVTransferConfig
 
@@ -89,6 +89,37 @@ def kv_transfer_config(engine: EngineBlock) -> KVTransferConfig:
         "kv_load_failure_policy": engine.kv_load_failure_policy}
     return KVTransferConfig(kv_connector=CONNECTOR_NAMES[engine.connector],
                             kv_role=role, kv_connector_extra_config=extra, **policy)
+
+
+# Releases whose model runner steps the worker-side connector through
+# KVConnectorModelRunnerMixin (0.29-0.33); 0.34 removed that runner (V1) and its
+# mixin, and its V2 runner steps the connector through ActiveKVConnector.
+RUNNER_MIXIN_RELEASES = ("0.29", "0.30", "0.31", "0.32", "0.33")
+
+
+def connector_step(version: str) -> Callable[[Any, Any, Any], Any] | None:
+    """How release ``version``'s model runner steps a worker connector around a
+    forward: None for the runner mixin, each session's own default
+    (:meth:`.StoreSession.execute`, :meth:`.OffloadSession.execute`)."""
+    from replayer.replay.engines import release_prefix
+
+    return None if release_prefix(version, RUNNER_MIXIN_RELEASES) else runner_step
+
+
+def runner_step(connector: Any, scheduler_output: Any, vllm_config: Any) -> Any:
+    """The step as 0.34's model runner takes it on a step without a forward, as
+    here (``ActiveKVConnector.no_forward``, ``v1/worker/gpu/kv_connector.py``:
+    bind the metadata, ``start_load_kv``, ``finish_forward``, ``wait_for_save``,
+    the transfer results). Built without its ``__init__``, which would register
+    the KV caches a second time (the session registered them); what it sets
+    is set here. MooncakeStore's ``start_load_kv`` reads none of the keyword
+    arguments a forward would add."""
+    from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
+
+    runner = ActiveKVConnector.__new__(ActiveKVConnector)
+    runner.vllm_config, runner.kv_connector = vllm_config, connector
+    runner._pending_load_kwargs, runner._disabled = None, False
+    return runner.no_forward(scheduler_output).kv_connector_output
 
 
 class StoreAwareExecutor(NullExecutor):
@@ -137,6 +168,7 @@ class StoreConnectorEngine(CoreEngine):
                  engine: EngineBlock, store: StoreSpec | None = None,
                  executor_cls: type[NullExecutor] = StoreAwareExecutor) -> None:
         self.session: StoreSession | None = None
+        self._connector_step = connector_step(version)
         # Block hash (hex) -> (token boundary, first request): names store keys.
         self.boundaries: dict[str, tuple[int, str]] = {}
         # Request id -> how many of its block hashes are in ``boundaries``.
@@ -165,7 +197,7 @@ class StoreConnectorEngine(CoreEngine):
     def _kv_output(self, scheduler_output):
         if self.session is None:
             return None
-        return self.session.execute(scheduler_output, self.config)
+        return self.session.execute(scheduler_output, self.config, self._connector_step)
 
     def _on_preprocessed(self, req, request) -> None:
         if self.session is not None:

@@ -78,6 +78,13 @@ class InProcessLookupClient:
                                       "rows": [first, len(store.ops.rows)]})
         return result
 
+    def prefetch(self, req_id: str, num_tokens: int, block_hashes) -> bool:
+        """0.34's early lookup of a request just added (``lookup_async`` with a
+        ``lookup_prefetch_limit``; the 0.34 adapter refuses such a trace): declined,
+        as vLLM's own client declines one past its limit, so the lookup is made
+        when the scheduler asks. Earlier releases never call it."""
+        return False
+
     def discard(self, req_id: str) -> None:
         return None
 
@@ -321,15 +328,17 @@ class StoreSession:
         with self.ops.lock:
             self.ops.faults.append(Fault(op, tuple(selectors), code, times, step))
 
-    def execute(self, scheduler_output, vllm_config: VllmConfig) -> KVConnectorOutput:
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-
+    def execute(self, scheduler_output, vllm_config: VllmConfig,
+                step: Callable[[Any, Any, VllmConfig], KVConnectorOutput] | None = None,
+                ) -> KVConnectorOutput:
+        """One engine step of every rank's worker-side connector. ``step(connector,
+        scheduler_output, vllm_config)`` runs it as the release's model runner
+        does around a forward (the store adapter's ``connector_step``); None:
+        0.29-0.33's runner mixin, :func:`mixin_step`."""
+        step = step or mixin_step
         if len(self.ranks) == 1 and self.peer is None:
-            with _the_process_agent(self.ranks[0].connector), \
-                    set_forward_context(None, vllm_config), \
-                    KVConnectorModelRunnerMixin._get_kv_connector_output(scheduler_output) as out:
-                pass                                       # the model's forward: nothing
-            return out
+            with _the_process_agent(self.ranks[0].connector):
+                return step(self.ranks[0].connector, scheduler_output, vllm_config)
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.v1.outputs import ModelRunnerOutput
 
@@ -341,9 +350,7 @@ class StoreSession:
             for one in self.ranks:
                 own = _worker_copy(scheduler_output)
                 kv_transfer_state._KV_CONNECTOR_AGENT = one.connector
-                with set_forward_context(None, vllm_config), \
-                        KVConnectorModelRunnerMixin._get_kv_connector_output(own) as out:
-                    pass
+                out = step(one.connector, own, vllm_config)
                 outputs.append(ModelRunnerOutput.with_kv_conn_output_only(out))
         finally:
             kv_transfer_state._KV_CONNECTOR_AGENT = process_own
@@ -390,6 +397,19 @@ class StoreSession:
                 os.environ[k] = v
         if not self.keep_tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def mixin_step(connector: Any, scheduler_output: Any,
+               vllm_config: VllmConfig) -> KVConnectorOutput:
+    """The worker connector's step as 0.29-0.33's model runners run it
+    (``KVConnectorModelRunnerMixin._get_kv_connector_output``, the model's
+    forward being nothing); it reads the process's agent, ``connector``."""
+    from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+    with set_forward_context(None, vllm_config), \
+            KVConnectorModelRunnerMixin._get_kv_connector_output(scheduler_output) as out:
+        pass                                       # the model's forward: nothing
+    return out
 
 
 @contextmanager

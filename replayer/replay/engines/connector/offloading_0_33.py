@@ -194,16 +194,24 @@ class OffloadSession:
         # The transfer-handler seam in place of spec.get_worker(kv_caches).
         self.connector.connector_worker.worker = FinishedTransfers()
 
-    def execute(self, scheduler_output, vllm_config: VllmConfig) -> KVConnectorOutput:
+    def execute(self, scheduler_output, vllm_config: VllmConfig,
+                step: Any = None) -> KVConnectorOutput:
         """One step of the worker-side connector, as vLLM's GPU model runner
         drives it: ``handle_preemptions``, then the connector's step around the
-        (absent) forward."""
+        (absent) forward. ``step``: 0.34's runner step (the store adapter's
+        ``connector_step``), which calls ``handle_preemptions`` itself; None:
+        0.32-0.33's runner mixin."""
         from vllm.distributed.kv_transfer import kv_transfer_state
-        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         before = kv_transfer_state._KV_CONNECTOR_AGENT
         kv_transfer_state._KV_CONNECTOR_AGENT = self.connector
         try:
+            if step is not None:
+                return step(self.connector, scheduler_output, vllm_config)
+            from vllm.v1.worker.kv_connector_model_runner_mixin import (
+                KVConnectorModelRunnerMixin,
+            )
+
             self.connector.handle_preemptions(scheduler_output.kv_connector_metadata)
             with set_forward_context(None, vllm_config), \
                     KVConnectorModelRunnerMixin._get_kv_connector_output(scheduler_output) as out:

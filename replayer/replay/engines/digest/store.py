@@ -94,7 +94,9 @@ EXCLUDED: dict[str, dict[str, str]] = {
     "Thread": dict.fromkeys(vars(threading.Thread()), "the thread's own machinery"),
     # The replayer's own objects around them.
     "StoreConnectorEngine": {"session": _OWN, "boundaries": _NAMES, "name_log": _NAMES,
-                             "_named": _OWN + " (live requests' counts)"},
+                             "_named": _OWN + " (live requests' counts)",
+                             "_connector_step": "code: how the release's model runner "
+                                                "steps a worker connector"},
     "InProcessLookupClient": {"session": _OWN},
     "Fault": {"step": "the engine step it was armed before, counted from the engine's "
                       "start: said in its note only (the head offsets it)"},

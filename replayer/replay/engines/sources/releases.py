@@ -45,10 +45,11 @@ CACHE_ENV = "PREFIX_REPLAYER_CACHE"
 
 # The releases the adapters serve, in order, as listed by `pip index versions
 # vllm` on 2026-11-29 (0.26.0-0.28.0 added 2026-12-06: of 0.27, its last patch,
-# 0.27.1). Bisecting over releases walks this list (plus the two ends when they
-# are not on it), so no bisect ever scans the registry.
+# 0.27.1; 0.34.0 the same day, when it was published). Bisecting over releases
+# walks this list (plus the two ends when they are not on it), so no bisect ever
+# scans the registry.
 KNOWN_RELEASES = ("0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
-                  "0.33.0")
+                  "0.33.0", "0.34.0")
 
 # What a replay imports from a wheel: Python sources and the data files they
 # read at import time. Kernels (.so), C/CUDA sources and the Rust binary stay out.
