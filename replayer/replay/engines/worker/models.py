@@ -79,7 +79,10 @@ DCP_ON_CPU = (
     "vLLM's CPU attention (v1/attention/backends/cpu_attn.py, CPUAttentionBackendImpl) "
     "sets no can_return_lse_for_decode, so v1/worker/cp_utils.py "
     "check_attention_cp_compatibility refuses DCP (it needs the softmax LSE of each "
-    "decode), and the CPU platform selects that backend for every non-MLA model")
+    "decode), and the CPU platform selects that backend for every non-MLA model; of "
+    "vLLM's other non-MLA attentions only FlashAttentionImpl (flash_attn.py, CUDA "
+    "kernels) returns it, and TritonAttentionImpl does not (MLA: TritonMLAImpl does, "
+    "and runs here)")
 
 
 class NotOnThisWorker(UnsupportedByEngine):

@@ -21,7 +21,9 @@ def rank_seams(engine: Any, label: str) -> dict[str, Any]:
     return {"block_size": engine.kv_groups[0].block_size, "label": label,
             "interpret_kernels": bool(engine.speculative is not None and engine.has_mamba),
             # KDA beside MLA: the FLA KDA kernels' interpreted copy, made in each rank
-            "kda_mla": "mla" in kinds and "mamba" in kinds}
+            "kda_mla": "mla" in kinds and "mamba" in kinds,
+            # DCP beside MLA: vLLM's Triton MLA and its DCP kernels interpreted
+            "mla_dcp": "mla" in kinds and engine.decode_context_parallel_size > 1}
 
 
 def configure_ranks(config: Any, engine: Any, label: str) -> None:

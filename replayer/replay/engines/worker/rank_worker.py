@@ -21,6 +21,8 @@ reaches every rank:
   the config class and the draft-verification guard
   (:func:`.architectures.kimi_linear.install`), made in this process as the
   one-rank worker's executor makes them in the replay's;
+* **DCP beside MLA**: vLLM's Triton MLA selected for MLA layers and the
+  Triton kernels a DCP step runs interpreted (:mod:`.architectures.mla_dcp`);
 * **forced tokens**: a :class:`~.forced.ForcedTokens` on this rank's runner.
   Every rank samples, and each keeps its sampled tokens for its next step, so
   each is forced to the trace's. The parent sends, with every step
@@ -60,6 +62,10 @@ def install_process_seams(seams: dict[str, Any]) -> None:
         from replayer.replay.engines.worker.architectures import kimi_linear
 
         kimi_linear.install(seams["label"])    # AMX, the config class, KDA interpreted
+    if seams.get("mla_dcp"):
+        from replayer.replay.engines.worker.architectures import mla_dcp
+
+        mla_dcp.install(seams["label"])        # Triton MLA and the DCP kernels interpreted
 
 
 class RankWorker(CPUWorker):

@@ -22,8 +22,11 @@ EAGLE head of MLA layers (vLLM's ``EagleMistralLarge3ForCausalLM``, DeepSeek
 V2 decoder layers), so the draft's layer joins the MLA group as Kimi-K3's
 drafter's does.
 
-What it cannot take, each said in one line by :func:`refusal`: DCP above 1
-(no CPU MLA implementation returns the softmax LSE of a decode), FlashKDA
+At DCP above 1 the MLA layers run vLLM's ``TritonMLAImpl`` instead, the one
+MLA implementation here that returns a decode's softmax LSE, its kernels under
+Triton's interpreter (:mod:`.mla_dcp`, installed in each rank process).
+
+What it cannot take, each said in one line by :func:`refusal`: FlashKDA
 prefill checkpoints (FlashKDA is a CUDA kernel, ``vllm._flashkda_C``, and the
 layers that export its checkpoints are ``KimiK3DeltaAttention``'s), a CPU
 without AMX (the platform then takes ``CPU_MLA``, whose decode kernel is built
@@ -50,11 +53,6 @@ HIDDEN = 128
 TARGET_ARCH = "BailingMoeV3ForCausalLM"
 CONFIG_MODEL_TYPE = "bailing_hybrid"     # vLLM's BailingMoeV3TextConfig
 
-DCP_ON_CPU_MLA = (
-    "vLLM's CPU MLA implementations (v1/attention/backends/mla/amx_mla.py AMXMLAImpl, "
-    "cpu_mla.py CPUMLAImpl) set no can_return_lse_for_decode, so "
-    "v1/worker/cp_utils.py check_attention_cp_compatibility refuses DCP (it merges the "
-    "ranks' partial decodes by each one's softmax LSE)")
 FLASHKDA_ON_CPU = (
     "engine.kda_prefill_backend flashkda: FlashKDA is a CUDA kernel (vllm._flashkda_C, "
     "models/kimi_k3/nvidia/kda.py resolve_kda_prefill_backend refuses it off CUDA), and "
@@ -78,9 +76,6 @@ def refusal(engine: EngineBlock, layers: list[str] | None = None) -> str | None:
     if kinds != {"mamba", "mla"}:
         return (f"KV-cache group kinds {sorted(kinds)} beside MLA (the tiny KDA/MLA "
                 "model, vLLM's BailingMoeV3, has KDA (mamba) and MLA groups only)")
-    if engine.decode_context_parallel_size != 1:
-        return (f"decode_context_parallel_size {engine.decode_context_parallel_size}: "
-                + DCP_ON_CPU_MLA)
     if engine.kda_prefill_backend == "flashkda":
         return FLASHKDA_ON_CPU
     if engine.kv_groups[0].block_size % 128:
