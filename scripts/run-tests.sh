@@ -110,7 +110,7 @@ on_two_workers() {  # on_two_workers pytest_phase NAME FILES...
 DURATIONS=(--durations=12 --durations-min=15)
 fetch_releases() {
   "$PY" -c 'from replayer.replay.engines.sources.releases import release_sources
-for v in ("0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"):
+for v in ("0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"):
     print(f"vllm=={v}: {release_sources(v)}")'
 }
 
@@ -149,7 +149,7 @@ wait_for_releases() {
 pytest_phase "traces, command line, specs, step clock, golden updates, recorder writer, memory store (no vLLM replay)" $UNITS
 on_two_workers pytest_phase "replays on the installed vLLM 0.33.0 (store tests without a master included), on 2 xdist workers" $INSTALLED
 on_two_workers pytest_phase "recorder: round trips and kill -9, on 2 xdist workers" $RECORDER
-phase "fetch vLLM 0.26.0-0.33.0 release sources (once per cache, ~2.5 GB of downloads; started in the background with phase 1)" wait_for_releases
+phase "fetch vLLM 0.26.0-0.34.0 release sources (once per cache, ~2.7 GB of downloads; started in the background with phase 1)" wait_for_releases
 on_two_workers pytest_phase "replays on vLLM releases and source trees, on 2 xdist workers" $ENGINES
 # Two xdist workers, tests dealt out one by one: each worker starts its own engine
 # processes for test_model_worker.py (its module fixture), and much of a
