@@ -1,4 +1,4 @@
-"""connector: offloading: vLLM 0.33's OffloadingConnector, replayed (docs/offloading.md).
+"""connector: offloading: vLLM 0.32-0.33's OffloadingConnector, replayed (docs/offloading.md).
 
 The fixtures under fixtures/offloading/ hold the hits and the CPU tier's keys
 (the plugin phase checks their goldens). These tests check what the goldens
@@ -51,14 +51,16 @@ def test_the_mooncake_segment_size_is_refused_beside_offloading():
                                          "mooncake_global_segment_size": "64MB"})
 
 
-@pytest.mark.parametrize("version", ["0.29.0", "0.32.0"])
+@pytest.mark.parametrize("version", ["0.29.0", "0.31.0"])
 def test_other_releases_are_refused_in_one_line_before_vllm_is_imported(version):
     engine = EngineBlock.from_dict("s.yaml", {"connector": "offloading",
                                               "connector_config": {"cpu_bytes_to_use": 4096}})
     with pytest.raises(UnsupportedByEngine, match=rf"connector replay \(offloading\) is not "
-                                                  rf"supported on vLLM {version} yet .*0\.33\.x"):
+                                                  rf"supported on vLLM {version} yet "
+                                                  rf".*0\.32\.x, 0\.33\.x"):
         check_supported(version, engine, f"vllm=={version}")
-    check_supported("0.33.0", engine, "vllm==0.33.0")       # the release it runs on
+    for served in ("0.32.0", "0.33.0"):             # the releases it runs on
+        check_supported(served, engine, f"vllm=={served}")
 
 
 def test_the_transfer_seam_reports_each_job_finished_once():
@@ -69,6 +71,37 @@ def test_the_transfer_seam_reports_each_job_finished_once():
     done = seam.get_finished()
     assert [(r.job_id, r.success) for r in done] == [(3, True), (4, True)]
     assert seam.get_finished() == []                       # reported once
+
+
+def test_the_model_workers_transfer_handler_copies_each_groups_pages():
+    # HostCopies (worker/offload.py): a store copies each group's blocks into CPU
+    # chunks of blocks_per_chunk blocks, entering the first chunk at the group's
+    # block index, as vLLM's CPUOffloadingWorker does; a load copies them back.
+    from types import SimpleNamespace as NS
+
+    import numpy as np
+    import torch
+
+    from replayer.replay.engines.worker.offload import HostCopies
+
+    kv = [torch.arange(8 * 6, dtype=torch.int8).view(8, 6), torch.zeros(8, 4, dtype=torch.int8)]
+    caches = NS(tensors=[NS(tensor=t, page_size_bytes=t.shape[1]) for t in kv],
+                group_data_refs=[[NS(tensor_idx=0, page_size_bytes=6)],
+                                 [NS(tensor_idx=1, page_size_bytes=4)]])
+    kv[1][5] = 7
+    seam = HostCopies(caches, blocks_per_chunk=2, num_chunks=4)
+    # group 0: GPU blocks 3, 1 from block index 1 (the second half of chunk 2,
+    # then chunk 0's first half); group 1: GPU block 5 at index 0 (chunk 3).
+    gpu = NS(block_ids=np.array([3, 1, 5]), group_sizes=[2, 1], block_indices=[1, 0])
+    cpu = NS(block_ids=np.array([2, 0, 3]))
+    assert seam.submit_store(1, gpu, cpu)
+    assert torch.equal(seam.chunks[0][5], kv[0][3]) and torch.equal(seam.chunks[0][0], kv[0][1])
+    assert torch.equal(seam.chunks[1][6], kv[1][5]) and not seam.chunks[0][4].any()
+    back = NS(block_ids=np.array([6, 7, 0]), group_sizes=[2, 1], block_indices=[1, 0])
+    assert seam.submit_load(2, cpu, back)
+    assert torch.equal(kv[0][6], kv[0][3]) and torch.equal(kv[0][7], kv[0][1])
+    assert torch.equal(kv[1][0], torch.full((4,), 7, dtype=torch.int8))
+    assert [r.job_id for r in seam.get_finished()] == [1, 2]
 
 
 def test_a_prefix_the_gpu_evicted_is_loaded_back_from_the_cpu_tier(tmp_path):

@@ -70,10 +70,15 @@ def release_prefix(version: str, prefixes: Iterable[str]) -> str | None:
 
 
 # Releases whose OffloadingConnector the replay drives (connector: offloading):
-# 0.33 alone. 0.29's differs in every module the replay touches (the connector,
+# 0.32 and 0.33. What connector/offloading_0_33.py touches is the same in both
+# (the connector and its worker/scheduler attributes, the manager's lookup,
+# prepare_load, prepare_store and complete_store, the offload key helpers,
+# LookupResult, TransferResult); 0.32 lacks 0.33's sliding-window chunks and
+# synchronous loads (sync_load_budget_bytes), which vLLM itself then refuses or
+# ignores. 0.29's differs in every module the replay touches (the connector,
 # its scheduler, worker and config, the CPU spec and manager) and has no hybrid
 # groups (get_offloading_group_ids is 0.33's); not covered yet.
-OFFLOADING_RELEASES: tuple[str, ...] = ("0.33",)
+OFFLOADING_RELEASES: tuple[str, ...] = ("0.32", "0.33")
 
 
 def check_connector(version: str, connector: str | None, label: str) -> None:
@@ -81,7 +86,7 @@ def check_connector(version: str, connector: str | None, label: str) -> None:
     if connector == "offloading" and release_prefix(version, OFFLOADING_RELEASES) is None:
         raise UnsupportedByEngine(
             f"{label}: connector replay (offloading) is not supported on vLLM {version} yet "
-            f"(its OffloadingConnector differs from 0.33's; replayed on "
+            f"(its OffloadingConnector differs from 0.32-0.33's; replayed on "
             f"{', '.join(p + '.x' for p in OFFLOADING_RELEASES)})")
     if connector and release_prefix(version, STORE_ADAPTERS) is None:
         served = ", ".join(f"{p}.x" for p in STORE_ADAPTERS)

@@ -1,4 +1,4 @@
-"""vLLM's OffloadingConnector (CPU offload) inside a vLLM 0.33 replay: seams and wiring.
+"""vLLM's OffloadingConnector (CPU offload) inside a vLLM 0.32-0.33 replay: seams and wiring.
 
 ``engine.connector: offloading`` replays vLLM's own ``OffloadingConnector``
 (``kv_connector_extra_config`` by vLLM's names: ``cpu_bytes_to_use``,
@@ -193,6 +193,13 @@ class OffloadSession:
                                              kv_cache_config)
         # The transfer-handler seam in place of spec.get_worker(kv_caches).
         self.connector.connector_worker.worker = FinishedTransfers()
+
+    def adopt_worker(self, connector: Any, boundary_of) -> None:
+        """On the model worker: the connector vLLM's own worker created (its
+        transfer handler already the seam, :mod:`replayer.replay.engines.worker.offload`),
+        which vLLM's runner steps; :meth:`execute` is then not called."""
+        self._boundary_of = boundary_of
+        self.connector = connector
 
     def execute(self, scheduler_output, vllm_config: VllmConfig,
                 step: Any = None) -> KVConnectorOutput:

@@ -45,6 +45,10 @@ def executor_class(engine: Any) -> type:
     store's seams where the trace has a connector."""
     if engine.tensor_parallel_size > 1:
         return StoreRankExecutor if engine.connector else RankExecutor
+    if engine.connector == "offloading":
+        from replayer.replay.engines.worker.offload import OffloadModelExecutor
+
+        return OffloadModelExecutor
     if engine.connector:
         from replayer.replay.engines.worker.store import StoreModelExecutor
 
