@@ -220,3 +220,33 @@ def test_the_recorder_writes_the_mamba_layers_prefill_checkpoints(tmp_path):
         block = engine_block(build_vllm_config(engine), built, recorder_adapter)
         assert block.mamba_prefill_checkpoint_alignment == wanted
         assert [g.kind for g in block.kv_groups] == ["sliding_window", "mamba"]
+
+
+@pytest.mark.parametrize("backend", ["flashkda", "triton"])
+def test_the_recorder_says_kda_layers_by_their_backend(tmp_path, monkeypatch, backend):
+    """Kimi's KDA layers under FlashKDA export prefill checkpoints as Mamba2's do
+    (``num_prefill_checkpoint_blocks``, alignment 16), but a trace says KDA by
+    ``kda_prefill_backend``, whose alignment each release gives (0.29's spec has
+    none): the recorded header names the backend, never the alignment."""
+    from types import SimpleNamespace
+
+    from vllm.config import ModelConfig
+
+    from replayer.recorder import vllm_0_33 as recorder_adapter
+    from replayer.recorder.header import engine_block
+    from replayer.replay.engines.vllm_0_33 import build_vllm_config, layer_specs
+
+    path = tmp_path / "kda.yaml"
+    path.write_text(SPARSE.replace("mamba_prefill_checkpoint_alignment: 1",
+                                   f"kda_prefill_backend: {backend}"))
+    engine = load_target(path).sized_engine()
+    specs = [s for s in layer_specs(engine).values() if type(s).__name__ == "MambaSpec"]
+    assert {s.num_prefill_checkpoint_blocks for s in specs} == {int(backend == "flashkda")}
+    groups = [SimpleNamespace(kv_cache_spec=spec) for spec in layer_specs(engine).values()]
+    built = SimpleNamespace(kv_cache_groups=groups, num_blocks=engine.num_gpu_blocks)
+    config = build_vllm_config(engine)
+    monkeypatch.setattr(ModelConfig, "architectures",
+                        property(lambda self: ["KimiK3ForConditionalGeneration"]))
+    block = engine_block(config, built, recorder_adapter)
+    assert block.kda_prefill_backend == backend
+    assert block.mamba_prefill_checkpoint_alignment is None

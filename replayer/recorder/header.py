@@ -44,6 +44,40 @@ def _group_kind(spec: Any) -> dict[str, Any] | None:
     return {"kind": "full_attention", "block_size": int(spec.block_size)}
 
 
+# Models whose Mamba groups are KDA layers (KimiK3DeltaAttention, GLM-5-Next's
+# linear attention; vLLM's registry, 0.29-0.33).
+KDA_ARCHITECTURES = frozenset({"KimiLinearForCausalLM", "KimiK3ForConditionalGeneration",
+                               "Glm5NextForCausalLM", "Glm5NextForConditionalGeneration"})
+# FlashKDA's checkpoint alignment (kda_prefill_checkpoint_alignment; 0.29's spec has none).
+FLASHKDA_ALIGNMENTS = (16, None)
+
+
+def _prefill_checkpoints(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """The Mamba layers' prefill checkpoints (a state exported inside a chunk, which
+    moves where the scheduler ends one) in the trace's terms. KDA layers are said by
+    the backend vLLM resolved, ``kda_prefill_backend``, whose alignment the replay
+    takes from each release: on CUDA every release 0.29-0.33 sets
+    ``num_prefill_checkpoint_blocks = int(backend == "flashkda")``, so checkpoints
+    mean FlashKDA, and none mean FlashInfer where asked ('auto' never picks it) or
+    Triton. Other layers (Mamba2's, ROCm's fused KDA at its chunk size) by their
+    ``mamba_prefill_checkpoint_alignment``."""
+    specs = [x.kv_cache_spec for x in kv_cache_config.kv_cache_groups
+             if (_group_kind(x.kv_cache_spec) or {}).get("kind") == "mamba"]
+    exported = [s for s in specs if getattr(s, "num_prefill_checkpoint_blocks", 0)]
+    alignments = {getattr(s, "prefill_checkpoint_alignment", None) for s in exported}
+    model = vllm_config.model_config
+    architectures = set(getattr(model, "architectures", None) or [])
+    if architectures & KDA_ARCHITECTURES and alignments <= set(FLASHKDA_ALIGNMENTS):
+        if exported:
+            return {"kda_prefill_backend": "flashkda"}
+        extra = vllm_config.additional_config
+        asked = extra.get("kda_prefill_backend") if isinstance(extra, dict) else None
+        return {"kda_prefill_backend": "flashinfer" if asked == "flashinfer" else "triton"}
+    if len(alignments) == 1 and None not in alignments:
+        return {"mamba_prefill_checkpoint_alignment": int(alignments.pop())}
+    return {}
+
+
 def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> EngineBlock:
     """The engine as vLLM resolved it, validated as any header is; ``adapter`` is
     the recorder adapter module of this release (:mod:`.releases`)."""
@@ -79,15 +113,7 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
         block["long_prefill_token_threshold"] = int(sched.long_prefill_token_threshold)
     if any(g["kind"] == "mamba" for g in groups):
         block["mamba_cache_mode"] = str(cache.mamba_cache_mode)
-        # Layers that export a state inside a prefill chunk (Mamba2's MambaMixer2):
-        # where the scheduler ends a chunk depends on it.
-        alignments = {getattr(x.kv_cache_spec, "prefill_checkpoint_alignment", None)
-                      for x in kv_cache_config.kv_cache_groups
-                      if _group_kind(x.kv_cache_spec) is not None
-                      and _group_kind(x.kv_cache_spec)["kind"] == "mamba"
-                      and getattr(x.kv_cache_spec, "num_prefill_checkpoint_blocks", 0)}
-        if len(alignments) == 1 and None not in alignments:
-            block["mamba_prefill_checkpoint_alignment"] = int(alignments.pop())
+        block.update(_prefill_checkpoints(vllm_config, kv_cache_config))
     # None is a setting of its own (dense retention), not vLLM's default (0).
     retention = cache.prefix_cache_retention_interval
     block["prefix_cache_retention_interval"] = None if retention is None else int(retention)
