@@ -384,3 +384,36 @@ def test_refetched_counts_a_block_once_and_every_rank_s_bytes():
     r = refetched(result, {0: 16, 1: 16})["b"]
     # 16 + 16 tokens of the blocks ending at 16 and 32, 8 of the one ending at 48.
     assert (r.tokens, r.bytes, r.groups, r.resident) == (40, 500, (0,), {0: 40})
+
+
+def test_a_cpu_tier_s_pending_key_is_said_as_pending_not_as_never_written():
+    """A CPU tier's lookup that finds a key still being stored (HIT_PENDING, 2)
+    names that key, not the never-written keys vLLM's scan tried below it."""
+    from types import SimpleNamespace
+
+    from replayer.analysis.explain_store import store_misses
+
+    rows = [{"order": i, "step": 3, "op": "lookup", "group": g, "boundary": b,
+             "key": f"cpu@group:{g}@h{b}", "result": res, "loader": None, "bytes": None}
+            for i, (g, b, res) in enumerate([(0, 6144, 1), (0, 7424, 2), (1, 7424, 2),
+                                             (0, 7296, 0), (0, 6272, 0)])]
+    result = SimpleNamespace(store={"rows": rows, "lookups": [
+        {"request": "r", "hit_length": 6144, "rows": [0, len(rows)]}]})
+    got = store_misses(result, ["r"])
+    assert [m.said({0: "full_attention", 1: "mamba"}) for m in got["r"]] == [
+        "group 0 (full_attention) @ 7424 was still being stored (HIT_PENDING: not yet "
+        "readable)",
+        "group 1 (mamba) @ 7424 was still being stored (HIT_PENDING: not yet readable)"]
+
+
+def test_a_cpu_tier_eviction_is_a_store_loss_not_capacity():
+    """On a CPU offload trace the first counterfactual is a CPU tier that never
+    evicts: what the full tier evicted is ``store`` (the key named, evicted), and
+    a GPU eviction the tier would have given back is not ``capacity``."""
+    trace = load_target(FIXTURES / "offloading" / "cpu_tier_full_evicts_the_prefix.yaml")
+    ex = explain(trace)
+    lost = _lost(ex, "a_again")
+    assert lost["store"] > 0 and lost.get("capacity", 0) == 0, lost
+    assert ex.replays[1]["change"].startswith("cpu_bytes_to_use=")
+    said = [m.said({0: "full_attention"}) for m in ex.store_misses["a_again"]]
+    assert said and "was written and is gone (evicted at step" in said[0], said

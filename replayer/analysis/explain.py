@@ -5,6 +5,9 @@ from the replay. The gap is split into causes by counterfactual replays, each
 through the normal replay entry point and each changing one thing on top of
 the previous one, so the causes telescope and add up exactly:
 
+0. store, on a CPU offload trace (``connector: offloading``): a CPU tier that
+   never evicts (what the tier evicted before a request looked it up; a
+   GPU eviction the tier gives back loses nothing);
 1. capacity: the same trace with a KV cache large enough that nothing is
    ever evicted;
 2. store (a trace with a connector) or reset: without its
@@ -103,10 +106,20 @@ def counterfactuals(trace: Trace) -> list[Counterfactual]:
     engine = trace.engine
     steps = []
     blocks = unbounded_blocks(trace)
+    if engine.connector == "offloading":
+        # At least one chunk per block of every request in every group: no key is
+        # ever evicted (the replay allocates no CPU memory; vLLM only divides it).
+        tier = int(engine.connector_config["cpu_bytes_to_use"]) * blocks
+        steps.append(Counterfactual(
+            "store", f"cpu_bytes_to_use={tier} (a CPU tier that never evicts)",
+            "replay with a CPU tier that never evicts minus the baseline: chunks the tier "
+            "evicted to make room before a request looked them up",
+            lambda t: _with_engine(t, [f"engine.connector_config.cpu_bytes_to_use={tier}"])))
     if blocks > trace.sized_engine().num_gpu_blocks:
         steps.append(Counterfactual(
             "capacity", f"num_gpu_blocks={blocks} (room for every request at once)",
-            "replay with a KV cache that never evicts minus the baseline replay",
+            "replay with a KV cache that never evicts minus the "
+            + ("previous" if steps else "baseline replay"),
             lambda t: _with_engine(t, [f"engine.num_gpu_blocks={blocks}"])))
     events = trace.events
     actions = events["action"].to_pylist() if events is not None else []
@@ -307,7 +320,7 @@ def explain(trace: Trace, run: Replayer, *,
     last = base
     before_store = None
     for step in steps:
-        if step.cause == "store":
+        if step.cause == "store" and before_store is None:
             before_store = last
         if run_many is not None:
             last = next(done)
@@ -319,7 +332,8 @@ def explain(trace: Trace, run: Replayer, *,
         for rid in ids:
             lost[step.cause][rid] += now[rid] - prev[rid]
         prev = now
-        evidence[step.cause] = step.evidence
+        evidence[step.cause] = "; then ".join(filter(None, (evidence.get(step.cause),
+                                                             step.evidence)))
         replays.append({"change": step.change, "cause": step.cause, "summary": last.summary()})
     by_id = last.by_id()
     mamba_short: dict[str, tuple[int, int]] = {}

@@ -28,6 +28,9 @@ from traces.model.store_codes import code_name
 #: Groups whose blocks are KV of their own tokens (a refetch moves them again);
 #: a Mamba group's key is one state at its boundary, not a span of tokens.
 SPAN_KINDS = ("full_attention", "sliding_window", "mla")
+#: A CPU tier's lookup rows beside HIT (1) and MISS (0): vLLM's LookupResult as
+#: the offloading connector files it (``LOOKUP_CODES`` in connector/offloading_0_33.py).
+HIT_PENDING, RETRY = 2, 3
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,10 @@ class StoreMiss:
         at = f" @ {self.boundary}" if self.boundary is not None else ""
         if self.op == "get":
             return f"{where}{at}: its get returned {code_name(self.result)}"
+        if self.result == HIT_PENDING:
+            return f"{where}{at} was still being stored (HIT_PENDING: not yet readable)"
+        if self.result == RETRY:
+            return f"{where}{at} was not ready to look up (RETRY)"
         if self.how:
             return f"{where}{at} was written and is gone ({self.how})"
         return f"{where}{at} was never written (the first key past the store's hit)"
@@ -89,12 +96,14 @@ def _gone(rows: list[dict[str, Any]], upto: int) -> dict[str, str]:
 
 def _lookup_misses(rows: list[dict[str, Any]], lookup: dict[str, Any]) -> list[StoreMiss]:
     """The keys one lookup found missing that had been written (in each group,
-    the lowest boundary); else, in each group, the first missing key past its hit."""
+    the lowest boundary); else those a CPU tier was still storing (HIT_PENDING)
+    or told it to retry; else, in each group, the first missing key past its hit."""
     lo, hi = lookup["rows"]
     gone = _gone(rows, lo)
     missing = [r for r in rows[lo:hi] if r["op"] == "lookup" and r["result"] != 1]
     written = [r for r in missing if r["key"] in gone]
-    pick = written or [r for r in missing if (r["boundary"] or 0) > lookup["hit_length"]]
+    past = [r for r in missing if (r["boundary"] or 0) > lookup["hit_length"]]
+    pick = written or [r for r in past if r["result"] in (HIT_PENDING, RETRY)] or past
     first: dict[int | None, dict[str, Any]] = {}
     for r in pick:
         have = first.get(r["group"])
