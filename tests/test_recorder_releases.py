@@ -1,12 +1,12 @@
 """The recorder on every release the replay runs, and on versions no test has seen.
 
 The server checks, when it starts, every vLLM name the recorder's hooks use
-(replayer/recorder/hooks.py). Here a replay recorded on the first and last
-release of the older adapter's range (0.29.0, 0.32.0), the store connector
-included, runs that check and round-trips through `check --against recorded`
-on that release; the check runs on its own inside the releases between (0.30.0,
-0.31.0, from the wheel cache) and inside a tree with one hook renamed; 0.33.0
-records in test_recorder_roundtrip.py.
+(replayer/recorder/hooks.py). Here a replay recorded on the first release of
+the older adapter's range (0.29.0) and on 0.34.0 (an adapter of its own), the
+store connector included, runs that check and round-trips through `check
+--against recorded` on that release; the check runs on its own inside the
+others (0.30.0-0.32.0, from the wheel cache) and inside a tree with one hook
+renamed; 0.33.0 records in test_recorder_roundtrip.py.
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ def check_in(spec: str, tmp_path: Path) -> dict:
 
 
 # A recording through the store connector runs the same check where it starts
-# (replayer.recorder.connector): 0.29.0 and 0.32.0 below, 0.33.0 in
-# test_recorder_roundtrip.py. The releases between are checked here on their own.
-RECORDED_HERE = ("0.29.0", "0.32.0")
+# (replayer.recorder.connector): 0.29.0 (the 0.29 adapter's first) and 0.34.0 (its
+# own adapter's) below, 0.33.0 in test_recorder_roundtrip.py. The others are
+# checked here on their own (0.32.0 recorded here until 0.34.0 took its place).
+RECORDED_HERE = ("0.29.0", "0.34.0")
 
 
 # The replay runs 0.26-0.28 too; the recorder hooks from 0.29 on.
@@ -153,11 +154,12 @@ def test_the_tested_releases_are_the_ones_the_replay_runs_from_0_29():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("version", RECORDED_HERE)
-def test_a_recording_on_the_older_adapters_ends_round_trips_with_its_store_ops(version, tmp_path):
+def test_a_recording_on_a_release_round_trips_with_its_store_ops(version, tmp_path):
     """#56615's resends through the MooncakeStore connector, recorded on the release
     (keys, lookups and the reset included), then `check --against recorded` there.
-    The first and last release of the older adapter's range (0.30 and 0.31 between
-    them: each hook is checked there above, ~50 s a round trip saved)."""
+    The first release of the 0.29 adapter and 0.34, whose adapter reads rows by
+    req_ids and prefix_cache_hit_limit (EAGLE here: the accepted drafts go through
+    it); the releases between have each hook checked above, ~50 s a round trip saved."""
     from traces.trace import read_trace
 
     from replayer.check import recorded as fidelity
