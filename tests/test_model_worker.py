@@ -175,10 +175,15 @@ def test_sweep_and_shrink_take_the_model_worker_and_its_refusals(serve_venv, com
     assert_bad_input(proc, "block sizes [16, 32]")
 
 
-def test_a_store_pool_sized_for_the_null_executors_blocks_is_refused():
-    # 32 KB: 64 of the null executor's 256-byte blocks, 8 of the tiny Llama's.
-    why = WHY_NOT[FIXTURES / "store" / "pressure_evicts_a_prefix_a_resend_needs.yaml"]
-    assert why is not None and "mooncake_global_segment_size 32768" in why
+def test_a_store_pool_sized_in_the_null_executors_bytes_is_scaled_for_one_group():
+    # 32 KB: 128 of the null executor's 256-byte blocks. With one KV-cache group at
+    # TP 1 the model worker scales it by the tiny Llama's 4 KiB blocks
+    # (worker/store.py), and test_model_worker_agrees_with_the_null_executor holds
+    # its evictions to the null executor's; at TP 2 (or with more groups) refused.
+    path = FIXTURES / "store" / "pressure_evicts_a_prefix_a_resend_needs.yaml"
+    assert WHY_NOT[path] is None
+    why = refusal(with_sets(load_target(path), ["engine.tensor_parallel_size=2"]).engine)
+    assert why is not None and "mooncake_global_segment_size 32768" in why and "TP 2" in why
 
 
 SLIDING_MAMBA = """

@@ -186,6 +186,8 @@ class StoreConnectorEngine(CoreEngine):
             self.session = OffloadSession(engine, store)
         elif engine.connector:
             self.session = StoreSession(with_segment(store or StoreSpec("memory"), engine))
+        # The pool the trace sized (the model worker reads it in the null executor's bytes).
+        self.trace_segment = engine.mooncake_global_segment_size
         try:
             super().__init__(config, layer_specs, version, executor_cls=executor_cls)
         except BaseException:

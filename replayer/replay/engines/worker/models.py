@@ -69,8 +69,12 @@ _GDN_STATE_BYTES = (
 # A store pool set below this (engine.mooncake_global_segment_size) is there to
 # make the store evict, in bytes of the null executor's KV blocks (256 bytes a
 # block in the fixtures); a tiny model's blocks hold other bytes (the Llama's
-# 4 KiB at block 16), so other keys would be evicted. The one recorded pool
-# (512 MiB) evicts nothing under either.
+# 4 KiB at block 16). With one KV-cache group at TP 1 every key of either worker
+# holds one block of that group, so the pool is scaled by the model's block bytes
+# over the null executor's (worker/store.py, pool_in_model_bytes) and holds the
+# same number of keys; with more groups their blocks grow by different factors,
+# so other keys would be evicted: refused. The one recorded pool (512 MiB)
+# evicts nothing under either.
 STORE_POOL_FLOOR = 64 * 2**20
 
 # DCP splits a decode's context over ranks and merges their partial attentions by
@@ -140,10 +144,13 @@ def refusal(engine: EngineBlock) -> str | None:
         return (f"KV-cache groups with block sizes {sorted(sizes)} (vLLM gives "
                 "every group of a real model one block size)")
     pool = engine.mooncake_global_segment_size
-    if engine.connector and pool is not None and pool < STORE_POOL_FLOOR:
+    if engine.connector and pool is not None and pool < STORE_POOL_FLOOR and (
+            len(engine.kv_groups) > 1 or engine.tensor_parallel_size > 1):
         return (f"engine.mooncake_global_segment_size {pool} bytes: a store pool that "
                 "small evicts by bytes of the null executor's KV blocks, and a tiny "
-                "model's blocks hold other bytes")
+                "model's blocks hold other bytes (scaled to the model's for one "
+                f"KV-cache group at TP 1; here {len(engine.kv_groups)} groups at TP "
+                f"{engine.tensor_parallel_size})")
     spec = engine.speculative
     why = drafts.refusal(engine)
     if why is not None:

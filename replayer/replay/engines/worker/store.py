@@ -62,6 +62,7 @@ class StoreModelExecutor(ModelExecutor):
             return super().initialize_from_config(kv_cache_configs)
         if not torch.cuda.is_available():
             torch.cuda.Event = NoopCudaEvent  # type: ignore[assignment,misc]
+        session.spec = pool_in_model_bytes(session.spec, self.adapter, kv_cache_configs[0])
         log = session.tmp / "mooncake-client.log"
         try:
             with start_up_log(log), \
@@ -76,6 +77,30 @@ class StoreModelExecutor(ModelExecutor):
             raise StoreError(f"store {session.label}: could not start the Mooncake client "
                              f"of the model worker ({exc}; client log: {log})") from None
         adopt_connector(session, self.runner, made)
+
+
+def pool_in_model_bytes(spec: Any, adapter: Any, kv_cache_config: Any) -> Any:
+    """A store pool the trace sized (``engine.mooncake_global_segment_size``) below
+    ``STORE_POOL_FLOOR`` counts the null executor's block bytes; the memory store
+    evicts by bytes, so on the model worker it is scaled by the model's bytes of
+    one block over the null executor's, holding the same number of keys and so
+    evicting the same ones (one KV-cache group: :func:`.models.refusal` refuses
+    more, whose blocks grow by different factors)."""
+    from dataclasses import replace
+
+    from replayer.replay.engines.worker.models import STORE_POOL_FLOOR
+
+    pool = spec.capacity_bytes
+    if pool is None or pool != adapter.trace_segment or pool >= STORE_POOL_FLOOR or len(
+            kv_cache_config.kv_cache_groups) != 1:
+        return spec         # --store-capacity's bytes are the model's own
+    model = sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
+    null = sum(s.page_size_bytes for s in adapter.layer_specs.values())
+    if model % null:
+        raise StoreError(f"engine.mooncake_global_segment_size {pool} bytes: the model's "
+                         f"{model} bytes a block are not a multiple of the null executor's "
+                         f"{null}; the pool cannot hold the same keys on both workers")
+    return replace(spec, capacity_bytes=pool * (model // null))
 
 
 @contextmanager
