@@ -90,7 +90,7 @@ def why_serial(trace: Trace) -> str | None:
         return ("its requests that arrive after others finish (after:) have no clock "
                 "time to split at")
     engine = trace.engine
-    if engine.connector and engine.connector != "mooncake_store":
+    if engine.connector and engine.connector not in ("mooncake_store", "offloading"):
         return (f"the state digest does not read its {engine.connector} connector's state "
                 "(a MooncakeStore connector's it does)")
     if engine.connector and engine.prefill_instance:

@@ -122,7 +122,9 @@ class RecordedManager:
         self.ops.rows.append({
             "order": len(self.ops.rows), "step": self.step, "rank": 0, "op": op, "key": name,
             "group": get_offload_group_idx(key), "boundary": boundary, "bytes": None,
-            "result": result, "request": request, "loader": loader})
+            "result": result, "request": request, "loader": loader,
+            # A time segment's: how many names were filed before it (segments/rows.py).
+            **({} if self.ops.mark is None else {"names": self.ops.mark()})})
 
     def _lookup(self, inner):
         def lookup(key, req_context):

@@ -40,6 +40,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
 from replayer.replay.engines.digest import events as digest_events
+from replayer.replay.engines.digest import offload as digest_offload
 from replayer.replay.engines.digest import store as digest_store
 from replayer.replay.engines.digest.walk import Canon, DigestError, sha
 
@@ -143,8 +144,10 @@ EXCLUDED: dict[str, dict[str, str]] = {
         "first": _NAMES, "name_log": _NAMES, "row_names": _NAMES,
         "_order": "the rows' numbering from the engine's start (the head numbers them)",
         "_indexed": "written with the adapter for live and just-freed requests"},
-    # A MooncakeStore connector's objects (digest/store.py says why).
+    # A MooncakeStore connector's objects (digest/store.py says why), and vLLM's
+    # OffloadingConnector's (digest/offload.py).
     **digest_store.EXCLUDED,
+    **digest_offload.EXCLUDED,
 }
 
 
@@ -296,9 +299,12 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Sequence[dict[str
     out["engine_core"] = [d.obj(core, "engine_core"),
                           "aborts " + d.enc(list(core.aborts_queue.queue), "aborts_queue")]
     out["replayer"] = _replayer(d, engine)
-    store = digest_store.store_section(d, engine)
-    if store:                                  # a MooncakeStore trace's
-        out["store"] = store
+    if getattr(getattr(engine, "session", None), "backend", None) == "cpu":
+        out["offload"] = digest_offload.offload_section(d, engine)   # connector: offloading
+    else:
+        store = digest_store.store_section(d, engine)
+        if store:                              # a MooncakeStore trace's
+            out["store"] = store
     events = digest_events.events_section(d, engine, pending)
     if events:                                 # targeted events to come
         out["events"] = events

@@ -20,6 +20,7 @@ named by where the walk first meets it, never by its physical id.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from array import array
 from collections import deque
@@ -31,6 +32,7 @@ import numpy as np
 # Classes from these packages are state to walk field by field; any other
 # object (a thread lock, a partial, a tensor, a queue.Queue) is an error.
 WALKED_PACKAGES = ("vllm.", "replayer.")
+_CTYPES = (ctypes.Structure, ctypes.Union, ctypes.Array, ctypes._SimpleCData)
 
 
 class DigestError(Exception):
@@ -119,6 +121,11 @@ class Canon:
             if any(_hashes_by_identity(v) for v in x):
                 items.sort()
             return "{" + ",".join(items) + "}"
+        if isinstance(x, _CTYPES):
+            # Its fields are descriptors on the class, in neither __slots__ nor
+            # __dict__: walked as an object it would encode as nothing.
+            raise DigestError(f"{path}: a ctypes {type(x).__qualname__}, whose fields the "
+                              "state digest does not walk")
         module = type(x).__module__ + "."
         if module.startswith(WALKED_PACKAGES) and (hasattr(x, "__dict__")
                                                    or hasattr(type(x), "__slots__")):

@@ -1,0 +1,82 @@
+"""Time segments over vLLM's OffloadingConnector (CPU offload): the sequential bytes.
+
+The trace is made here: tests/test_segments_store.py's waves (a new prompt,
+the one before resent, a reset, its own resend, the prompt of three waves
+ago resent, a reset) over a CPU tier of ten prompts (LRU), and in the last
+wave a resend of the first prompt, which only a tier that kept it serves.
+The digest's offload section (replayer/replay/engines/digest/offload.py)
+holds the tier's keys, reference counts, free chunks and LRU order.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from replayer.check.output import dumps
+from replayer.replay.segments import replay_segments, why_serial
+from replayer.replay.segments.hosts import InProcessHost
+from traces import load_target
+
+WAVES = 8
+CPU_BYTES = 10 * 16 * 4096          # ten prompts of 16 one-page chunks
+
+
+def _scenario(tmp_path):
+    reqs, events = [], []
+
+    def req(rid, at, stream):
+        reqs.append(f"  - {{id: {rid}, arrival_step: {at}, output_len: 2, "
+                    f"prompt: [{{stream: s{stream}, len: 256}}]}}")
+    for j in range(WAVES):
+        t = 40 * j
+        req(f"n{j}", t, j)
+        if j >= 1:
+            req(f"q{j}", t + 8, j - 1)
+        events.append(f"  - {{at_step: {t + 18}, action: reset_prefix_cache}}")
+        req(f"r{j}", t + 20, j)
+        if j >= 3:
+            req(f"o{j}", t + 28, j - 3)
+        events.append(f"  - {{at_step: {t + 38}, action: reset_prefix_cache}}")
+    req("z7", 40 * WAVES - 8, 0)
+    path = tmp_path / "offload_waves.yaml"
+    path.write_text("engine:\n  block_size: 16\n  num_gpu_blocks: 64\n"
+                    "  max_num_batched_tokens: 2048\n  max_num_seqs: 4\n"
+                    "  connector: offloading\n  connector_config:\n"
+                    f"    cpu_bytes_to_use: {CPU_BYTES}\n"
+                    "requests:\n" + "\n".join(reqs) + "\nevents:\n" + "\n".join(events) + "\n")
+    return load_target(path)
+
+
+@pytest.fixture(scope="module")
+def waves(tmp_path_factory):
+    from replayer.replay.execution.clients import replay_on
+
+    trace = _scenario(tmp_path_factory.mktemp("offload"))
+    return trace, replay_on(trace)
+
+
+def test_an_offloading_trace_splits_with_the_sequential_bytes(waves, monkeypatch):
+    """Three segments, a 110-step warm-up. At step 180 the segment's tier holds
+    the exact path's keys in the same LRU order: the boundary matches. At 260
+    the exact path's tier still holds prompt 0, which no request of the
+    segment's warm-up sent: only the offload section differs, and the segment
+    before replays on. The --json bytes and every CPU-tier row are the
+    sequential replay's. With the section blanked, 260 passes and z7 misses
+    the prompt the exact path loads from the CPU tier."""
+    from replayer.replay.engines.digest import offload
+
+    trace, seq = waves
+    assert why_serial(trace) is None
+    assert {r.id: r.num_external_cached_tokens for r in seq.requests}["z7"] == 256
+    res, report = replay_segments(trace, InProcessHost(), 3, 110)
+    assert report.plan.boundaries == [180, 260]
+    assert report.matched == [1]
+    failed = report.checks[1]
+    assert {k for k in failed.exact if failed.exact[k] != failed.started[k]} == {"offload",
+                                                                                  "total"}
+    assert dumps(res) == dumps(seq)
+    assert res.store["rows"] == seq.store["rows"] and res.notes == seq.notes
+    monkeypatch.setattr(offload, "offload_section", lambda d, engine: ["blank"])
+    res, report = replay_segments(trace, InProcessHost(), 3, 110)
+    assert report.matched == [1, 2]
+    assert {r.id: r.num_external_cached_tokens for r in res.requests}["z7"] == 0
