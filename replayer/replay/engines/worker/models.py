@@ -141,8 +141,11 @@ def refusal(engine: EngineBlock) -> str | None:
         return (f"sliding windows of {sorted(windows)} tokens (one window a model)")
     sizes = {g.block_size for g in engine.kv_groups}
     if len(sizes) > 1:
-        return (f"KV-cache groups with block sizes {sorted(sizes)} (vLLM gives "
-                "every group of a real model one block size)")
+        return (f"KV-cache groups with block sizes {sorted(sizes)} (vLLM makes them "
+                "from layers of different KV bytes a token, raising the smaller "
+                "page's block size: v1/core/kv_cache_utils.py unify_kv_cache_spec_page_size, "
+                "e.g. MiMo-V2-Flash's sliding-window layers of other KV heads than its "
+                "global ones; every tiny model here has one KV shape)")
     pool = engine.mooncake_global_segment_size
     if engine.connector and pool is not None and pool < STORE_POOL_FLOOR and (
             len(engine.kv_groups) > 1 or engine.tensor_parallel_size > 1):
