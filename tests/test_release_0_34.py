@@ -58,3 +58,24 @@ def test_0_34_keeps_the_last_unit_a_store_resend_lost_to_the_eagle_drop_on_0_33(
     # The Mamba state the resend loads sits at 7424 on 0.34 (7296 on 0.33).
     moved = {(k["group"], k["boundary"]) for k in data["store"]["only_b"]}
     assert (1, 7424) in moved, data["store"]
+
+
+@pytest.mark.parametrize("version, refused", [("0.33.0", False), ("0.34.0", True)])
+def test_lookup_async_is_refused_where_the_lookup_client_keeps_results_by_wall_clock(
+        version, refused):
+    """0.34's LookupKeyClient reuses a non-blocking lookup's result for a TTL of wall
+    time, which a replay has none of: refused there, before any engine is built."""
+    from replayer.replay.engines.base import UnsupportedByEngine
+    from replayer.replay.engines.vllm_0_33 import refuse_wall_clock_lookups
+    from traces.model.engine_spec import EngineBlock
+
+    engine = EngineBlock.from_dict("s.yaml", {
+        "block_size": 16, "connector": "mooncake_store",
+        "connector_config": {"lookup_async": True}})
+    if not refused:
+        refuse_wall_clock_lookups(engine, version)
+        return
+    with pytest.raises(UnsupportedByEngine, match=(
+            r"^vllm 0.34.0: connector_config.lookup_async: vLLM 0.34.0's MooncakeStore "
+            r"lookup client reuses")):
+        refuse_wall_clock_lookups(engine, version)

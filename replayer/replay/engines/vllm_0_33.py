@@ -22,9 +22,10 @@ read in both wheels' sources, but for one field: 0.34's ``ModelRunnerOutput``
 has no ``req_id_to_index`` (its scheduler reads the rows in ``req_ids``
 order), so the null model's output leaves it out there
 (:attr:`.CoreEngine.runner_output_index`). What 0.34 changed in the code the
-replay runs (the block pool's map, the hit limit on ``Request``, finished
-Mamba requests caching their last state) is vLLM's own and runs as it is
-(docs/engines.md, "0.34").
+replay runs is vLLM's own and runs as it is: among it, lookahead block hashes
+under the MooncakeStore connector (``supports_lookahead_block_hashes``: with
+EAGLE a store resend is no longer dropped a prefix-match unit), the block
+pool's map, the hit limit on ``Request`` (docs/engines.md, "vLLM 0.34").
 """
 
 from __future__ import annotations
