@@ -29,7 +29,7 @@ from replayer.replay.store.codes import NO_AVAILABLE_HANDLE
 from replayer.replay.store.recording import key_hash, pressure_note
 
 ZERO = {"rows": 0, "lookups": 0, "names": 0, "gets_checked": 0, "gets_corrupted": 0,
-        "kv_rows": 0, "kv_names": 0}
+        "faults": 0, "kv_rows": 0, "kv_names": 0}
 
 
 def _parts(parts: list[tuple[Any, Any]], what: str,
@@ -69,28 +69,25 @@ class _Faults:
 
     An owner's report lists the faults armed from its warm-up on, in order: a
     suffix of the exact path's list (its part holds every event from its
-    warm-up on). The first ``w`` of them were armed in its warm-up (before its
-    own engine steps at its start boundary), the rest from its start on, so
-    its list lines up with the faults assembled so far. A fault still armed
-    at a matched boundary is in the next owner's list (the digest writes the
-    armed ones), so the last owner holding a fault either ran to the end or
-    saw it fire its last before the next one started: its count, and its note
-    of an unused fault, are the sequential replay's. Steps are the owner's
-    engine steps, offset as rows' are by the owner that armed it."""
+    warm-up on). Its marks say how many it had armed at its start and end
+    boundaries, so its list lines up with the faults assembled so far and its
+    own range is known, as its rows' is. A fault still armed at a matched
+    boundary is in the next owner's list (the digest writes the armed ones),
+    so the last owner holding a fault either ran to the end or saw it fire its
+    last before the next one started: its count, and its note of an unused
+    fault, are the sequential replay's. Steps are the arming owner's engine
+    steps, offset as its rows' are."""
 
     def __init__(self) -> None:
         self.faults: list[dict] = []
         self.notes_of: list[str | None] = []
 
-    def owner(self, rep: dict, own_start: int, own_end: int | None, shift: int) -> None:
-        """``own_start``, ``own_end``: the owner's own engine steps at its start
-        and end boundaries (None: it ran to the end); ``shift`` to exact steps."""
-        warm = sum(1 for f in rep["faults"] if f["step"] < own_start)
-        at = len(self.faults) - warm
-        for j, f in enumerate(rep["faults"]):
-            if j >= warm and own_end is not None and f["step"] >= own_end:
-                break                       # armed in the next owner's range
-            if j >= warm:
+    def owner(self, rep: dict, start: int, end: int, shift: int) -> None:
+        """``start``, ``end``: how many faults the owner had armed at its start
+        and end boundaries; ``shift`` its steps to the exact path's."""
+        at = len(self.faults) - start
+        for j, f in enumerate(rep["faults"][:end]):
+            if j >= start:
                 self.faults.append({**f, "step": f["step"] + shift})
                 self.notes_of.append(None)
             mine = self.faults[at + j]
@@ -123,7 +120,7 @@ def assemble_store(parts: list[tuple[Any, Any]]) -> tuple[dict[str, Any] | None,
     def totals(rep: dict) -> dict[str, int]:
         return {"rows": len(rep["rows"]), "lookups": len(rep["lookups"]),
                 "names": len(rep["names"]), "gets_checked": rep["gets_checked"],
-                "gets_corrupted": rep["gets_corrupted"]}
+                "gets_corrupted": rep["gets_corrupted"], "faults": len(rep["faults"])}
 
     names = _Names()
     rows: list[dict[str, Any]] = []
@@ -132,10 +129,9 @@ def assemble_store(parts: list[tuple[Any, Any]]) -> tuple[dict[str, Any] | None,
     own_notes: set[str] = set()
     reports = []
     faults = _Faults()
-    nexts = [o.steps for o, _ in parts[1:]] + [None]
-    for (o, rep, start, end), nxt in zip(_parts(parts, "store", totals), nexts):
+    for o, rep, start, end in _parts(parts, "store", totals):
         shift = o.steps - o.own_steps
-        faults.owner(rep, o.own_steps, None if nxt is None else nxt - shift, shift)
+        faults.owner(rep, start.get("faults", 0), end.get("faults", len(rep["faults"])), shift)
         reports.append(rep)
         own_notes.update(rep["notes"])
         base = len(rows) - start["rows"]

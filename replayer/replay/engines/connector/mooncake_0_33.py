@@ -238,7 +238,7 @@ class StoreConnectorEngine(CoreEngine):
             ops = self.session.ops
             marks.update(rows=len(ops.rows), lookups=len(ops.lookups),
                          names=len(self.name_log), gets_checked=ops.gets_checked,
-                         gets_corrupted=ops.gets_corrupted)
+                         gets_corrupted=ops.gets_corrupted, faults=len(ops.faults))
         return marks
 
     def segment_logs(self) -> dict[str, Any]:
