@@ -250,6 +250,17 @@ def test_model_worker_needs_a_vllm_that_runs_a_model_here():
     assert_bad_input(proc, "--worker model", "cannot run a model")
 
 
+def test_a_prefill_decode_pair_runs_at_tp1_and_is_refused_above():
+    # Two model-worker engines in one process over one store (each executor puts
+    # its own connector in vLLM's process-wide slot, worker/store.py);
+    # test_model_worker_agrees_with_the_null_executor holds the pair's fixture.
+    path = FIXTURES / "store" / "pd_pair_shared_store.yaml"
+    assert WHY_NOT[path] is None
+    engine = with_sets(load_target(path), ["engine.tensor_parallel_size=2"]).engine
+    with pytest.raises(UnsupportedByEngine, match="above TP 1 replays on the null executor"):
+        check_supported("0.32.0", engine, "serve", "model")
+
+
 CONTEXT = """
 engine:
   block_size: 32

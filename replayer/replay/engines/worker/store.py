@@ -54,7 +54,30 @@ from replayer.replay.engines.worker.executor import ModelExecutor
 
 
 class StoreModelExecutor(ModelExecutor):
-    """The model worker's executor, plus the store seams around its connector."""
+    """The model worker's executor, plus the store seams around its connector.
+
+    vLLM keeps a worker's connector in one process-wide slot
+    (``kv_transfer_state._KV_CONNECTOR_AGENT``), which its worker fills once and
+    its runner reads every step. A prefill/decode pair runs two such workers in
+    one process, so each executor holds its own connector and puts it in that
+    slot for each call into its worker (:meth:`collective_rpc`), the other
+    engine's put back after."""
+
+    _agent: Any = None
+
+    @contextmanager
+    def _own_connector(self):
+        from vllm.distributed.kv_transfer import kv_transfer_state as state
+
+        before, state._KV_CONNECTOR_AGENT = state._KV_CONNECTOR_AGENT, self._agent
+        try:
+            yield
+        finally:
+            self._agent, state._KV_CONNECTOR_AGENT = state._KV_CONNECTOR_AGENT, before
+
+    def collective_rpc(self, *args: Any, **kwargs: Any) -> Any:
+        with self._own_connector():
+            return super().collective_rpc(*args, **kwargs)
 
     def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
         session = self.adapter.session
@@ -69,14 +92,13 @@ class StoreModelExecutor(ModelExecutor):
                     recording_client(session, self.adapter.boundaries.get) as made:
                 super().initialize_from_config(kv_cache_configs)
         except RuntimeError as exc:
-            from vllm.distributed.kv_transfer.kv_transfer_state import has_kv_transfer_group
-
-            if has_kv_transfer_group():     # the connector was made: not the client's start
+            if self._agent is not None:     # the connector was made: not the client's start
                 raise
             session.keep_tmp = True
             raise StoreError(f"store {session.label}: could not start the Mooncake client "
                              f"of the model worker ({exc}; client log: {log})") from None
-        adopt_connector(session, self.runner, made)
+        with self._own_connector():
+            adopt_connector(session, self.runner, made)
 
 
 def pool_in_model_bytes(spec: Any, adapter: Any, kv_cache_config: Any) -> Any:
