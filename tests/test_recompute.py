@@ -390,38 +390,90 @@ def test_the_looser_reference_gets_a_second_engine_process_closed_after_it(monke
         assert opened[-1][0] is client.engine and opened[-1][1]["own_process"]
 
 
+class _Runner:
+    """vLLM's runner as chunk_cuts._prompt_rows sees it: what its own method was handed."""
+
+    def __init__(self, computed: dict[str, int]) -> None:
+        from types import SimpleNamespace
+
+        self.num_prompt_logprobs = {rid: 20 for rid in computed}
+        self.requests = {rid: SimpleNamespace(num_computed_tokens=n) for rid, n in computed.items()}
+        self.seen: list[tuple[object, dict[str, int], dict[str, int]]] = []
+
+    def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
+        at = {rid: self.requests[rid].num_computed_tokens for rid in num_scheduled_tokens
+              if rid in self.requests}
+        self.seen.append((hidden_states[0], dict(num_scheduled_tokens), at))
+        return {rid: at.get(rid) for rid in num_scheduled_tokens}
+
+
 def test_the_hit_replay_computes_prompt_rows_for_its_hits_only():
     """chunk_cuts._prompt_rows: with hits_only, the runner's own method sees no chunk
     of a request whose first chunk started at 0 (no hit: none of its rows is
     compared), every chunk of one that hit, and its other arguments as given; the
     undo, or a later replay's install, puts the runner's own method back."""
-    from types import SimpleNamespace
-
     from replayer.check.chunk_cuts import _prompt_rows
 
-    class Runner:
-        def __init__(self) -> None:
-            self.num_prompt_logprobs = {"cold": 20, "hit": 20}
-            self.requests = {"cold": SimpleNamespace(num_computed_tokens=0),
-                             "hit": SimpleNamespace(num_computed_tokens=512)}
-            self.seen: list[tuple[object, dict[str, int]]] = []
-
-        def _get_prompt_logprobs_dict(self, hidden_states, num_scheduled_tokens):
-            self.seen.append((hidden_states, dict(num_scheduled_tokens)))
-            return {}
-
-    own = Runner.__dict__["_get_prompt_logprobs_dict"]
-    undo = _prompt_rows(True, Runner)
-    runner = Runner()
-    runner._get_prompt_logprobs_dict("h0", {"cold": 8192, "hit": 100, "other": 4})
+    own = _Runner.__dict__["_get_prompt_logprobs_dict"]
+    undo = _prompt_rows(True, runner=_Runner)
+    runner = _Runner({"cold": 0, "hit": 512})
+    runner._get_prompt_logprobs_dict(["h0"], {"cold": 8192, "hit": 100, "other": 4})
     runner.requests["cold"].num_computed_tokens = 8192      # its next chunk: still none
-    runner._get_prompt_logprobs_dict("h1", {"cold": 8192})
-    assert runner.seen == [("h0", {"hit": 100, "other": 4}), ("h1", {})]
+    runner._get_prompt_logprobs_dict(["h1"], {"cold": 8192})
+    assert [(h, n) for h, n, _ in runner.seen] == [("h0", {"hit": 100, "other": 4}), ("h1", {})]
     undo()
-    assert Runner.__dict__["_get_prompt_logprobs_dict"] is own
-    _prompt_rows(True, Runner)                                # left by a failed build
-    _prompt_rows(False, Runner)()
-    assert Runner.__dict__["_get_prompt_logprobs_dict"] is own
+    assert _Runner.__dict__["_get_prompt_logprobs_dict"] is own
+    _prompt_rows(True, runner=_Runner)                        # left by a failed build
+    _prompt_rows(False, runner=_Runner)()
+    assert _Runner.__dict__["_get_prompt_logprobs_dict"] is own
+
+
+def test_a_reference_computes_prompt_rows_from_each_hit_on():
+    """chunk_cuts._prompt_rows with rows_from (a reference: each request's hit): a
+    chunk before the hit is left out, the chunk across it is handed to the runner's
+    own method as its tail from the hit (num_computed_tokens and hidden states moved
+    on by as many rows, then put back), a chunk after it whole; a request not
+    listed keeps every row."""
+    from replayer.check.chunk_cuts import _prompt_rows
+
+    own = _Runner.__dict__["_get_prompt_logprobs_dict"]
+    undo = _prompt_rows(False, {"a": 300, "b": 256}, runner=_Runner)
+    try:
+        runner = _Runner({"a": 0, "b": 0, "c": 0})
+        hidden = list(range(1000))
+        assert runner._get_prompt_logprobs_dict(hidden, {"a": 256, "b": 256, "c": 256}) == \
+            {"c": 0}
+        for r in runner.requests.values():
+            r.num_computed_tokens = 256
+        out = runner._get_prompt_logprobs_dict(hidden, {"a": 256, "b": 256, "c": 256})
+        assert out == {"a": 300, "b": 256, "c": 256}, out
+        runner.requests["a"].num_computed_tokens = 512
+        runner._get_prompt_logprobs_dict(hidden, {"a": 100})
+        assert runner.seen == [(0, {"c": 256}, {"c": 0}),
+                               (0, {"b": 256, "c": 256}, {"b": 256, "c": 256}),
+                               (44, {"a": 212}, {"a": 300}),
+                               (0, {"a": 100}, {"a": 512})], runner.seen
+        assert runner.requests["a"].num_computed_tokens == 512
+    finally:
+        undo()
+    assert _Runner.__dict__["_get_prompt_logprobs_dict"] is own
+
+
+def test_the_tolerance_is_taken_over_the_positions_compared():
+    """A reference's prompt rows before the hit are not read: rows_from keeps those
+    from the hit on, and largest_difference compares from there (a difference
+    before the hit moves nothing; one after it does)."""
+    from replayer.check.divergence import largest_difference, rows_from
+
+    _, a = _pair()
+    _, b = _pair()
+    a.prompt_logprobs.top_logprobs[3, 0] -= 0.5                 # before the hit (12)
+    a, b = rows_from(a, 12), rows_from(b, 12)
+    assert a.prompt_logprobs.first == 12 and len(a.prompt_logprobs) == 7
+    assert rows_from(a, 12) is a
+    assert largest_difference(a, b, 12) == 0.0
+    a.prompt_logprobs.top_logprobs[2, 0] -= 0.25                # position 14
+    assert abs(largest_difference(a, b, 12) - 0.25) < 1e-6
 
 
 def replace_id(outcome, rid):

@@ -20,14 +20,23 @@ says so (docs/wrong-hits.md, "The hit-shaped reference"):
 Two more, for the time only (what is computed for the rows compared stays
 vLLM's own, bit for bit):
 
-* **The hit replay's prompt rows** (``hits_only``): vLLM's runner computes a
-  request's prompt logprobs (a vocabulary-wide row per prompt position, the
-  most costly part of the check) from where its computation starts, the hit;
-  a request that did not hit starts at 0, and no row of it is compared
-  (:func:`.recompute.hit_requests`). Its chunks are left out of the runner's
-  ``_get_prompt_logprobs_dict`` (the same in 0.32 and 0.33), which so skips
-  them as it skips a preempted request's; that request reports no prompt rows.
-  The references compute every row (the tolerance reads them all).
+* **The prompt rows**: vLLM's runner computes a request's prompt logprobs (a
+  vocabulary-wide row per prompt position, the most costly part of the check)
+  from where its computation starts to the end of its prompt. The verdict
+  compares a hit's rows from its hit on, no other row (:mod:`.divergence`).
+  In the hit replay (``hits_only``) that start is the hit, and a request that
+  did not hit (its first chunk starts at 0) has no row compared
+  (:func:`.recompute.hit_requests`). In a reference (``rows_from``: each hit
+  request's hit) every request starts at 0, and its rows before the hit are
+  not compared either (the looser reference's tolerance is taken over the same
+  positions). A chunk with no row wanted is left out of the runner's
+  ``_get_prompt_logprobs_dict`` (the same in 0.32 and 0.33), which so skips it
+  as it skips a preempted request's; a chunk that crosses the first row wanted
+  is handed to it as its tail from that row (its ``num_computed_tokens`` and
+  hidden states moved on by as many rows, put back after), so vLLM's own code
+  computes every row wanted and no other. A request with no row wanted reports
+  none; the rows before the first one wanted are left unwritten, as vLLM leaves
+  a hit's (the check reads each request's rows from its hit on).
 * **The heap**: each prompt chunk's logits and log-softmax (about 2 GB at 8,192
   tokens and a 32,000-token vocabulary) are allocated afresh; glibc maps and
   unmaps each one, so every chunk faulted its pages in and zeroed them again
@@ -43,20 +52,24 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from typing import Any, Callable
 
 
 def install(log_path: str, cuts: dict[str, list[int]] | None, hits_only: bool,
-            vllm_config: Any, version: str, connector: bool) -> None:
+            rows_from: dict[str, int] | None, vllm_config: Any, version: str,
+            connector: bool) -> None:
     """The ``recorder`` hook: one thread, the logging (and cutting) scheduler, the
-    heap kept, and with ``hits_only`` prompt rows for the requests that hit only."""
+    heap kept, and the prompt rows compared only: with ``hits_only`` those of the
+    requests that hit, from their hit; with ``rows_from`` each request's from the
+    position given."""
     import torch
 
     sched = vllm_config.scheduler_config
     base = sched.get_scheduler_cls()
     previous = torch.get_num_threads()
     torch._C.set_num_threads(1)
-    undo = [_keep_heap(), _prompt_rows(hits_only)]
+    undo = [_keep_heap(), _prompt_rows(hits_only, rows_from)]
     sched.scheduler_cls = _scheduler_class(base, log_path, cuts or {}, previous, undo)
 
 
@@ -89,11 +102,14 @@ def _keep_heap() -> Callable[[], None]:
     return undo
 
 
-def _prompt_rows(hits_only: bool, runner: type | None = None) -> Callable[[], None]:
-    """With ``hits_only``, vLLM's runner (``runner``: its class, vLLM's V1
-    ``GPUModelRunner`` unless given) computes prompt logprobs for the requests
-    that hit only (module docstring); the undo puts its own method back. Without,
-    its own method (a wrapper an engine that failed to build left is taken off)."""
+def _prompt_rows(hits_only: bool, rows_from: dict[str, int] | None = None,
+                 runner: type | None = None) -> Callable[[], None]:
+    """vLLM's runner (``runner``: its class, vLLM's V1 ``GPUModelRunner`` unless
+    given) computes the prompt rows compared only (module docstring): with
+    ``hits_only`` a request's from its first chunk's start, none where that is 0;
+    with ``rows_from`` each listed request's from the position given. The undo
+    puts its own method back. With neither, its own method (a wrapper an engine
+    that failed to build left is taken off)."""
     if runner is None:
         try:
             from vllm.v1.worker.gpu_model_runner import GPUModelRunner as runner
@@ -104,26 +120,42 @@ def _prompt_rows(hits_only: bool, runner: type | None = None) -> Callable[[], No
         return lambda: None
     real = getattr(real, "__wrapped__", real)
     runner._get_prompt_logprobs_dict = real
-    if not hits_only:
+    if not hits_only and rows_from is None:
         return lambda: None
-    seen: set[str] = set()
-    no_hit: set[str] = set()       # first chunk at position 0: nothing of it is compared
+    hits: dict[str, float] = {}     # hits_only: the first row of each request seen
 
-    def rows_of_hits(self: Any, hidden_states: Any, num_scheduled_tokens: dict[str, int],
-                     *args: Any, **kwargs: Any) -> Any:
-        for rid in self.num_prompt_logprobs:
+    def first_row(rid: str, state: Any) -> float:
+        if rows_from is not None:
+            return rows_from.get(rid, 0)
+        if rid not in hits:         # where its first chunk starts; 0: no hit, no row compared
+            hits[rid] = state.num_computed_tokens or math.inf
+        return hits[rid]
+
+    def rows_wanted(self: Any, hidden_states: Any, num_scheduled_tokens: dict[str, int],
+                    *args: Any, **kwargs: Any) -> Any:
+        whole: dict[str, int] = {}
+        tails = []                  # (state, rows to skip, tokens): chunks crossing the first row
+        for rid, n in num_scheduled_tokens.items():
             state = self.requests.get(rid)
-            if rid not in seen and state is not None and rid in num_scheduled_tokens:
-                seen.add(rid)
-                if state.num_computed_tokens == 0:
-                    no_hit.add(rid)
-        if no_hit.intersection(num_scheduled_tokens):
-            num_scheduled_tokens = {rid: n for rid, n in num_scheduled_tokens.items()
-                                    if rid not in no_hit}
-        return real(self, hidden_states, num_scheduled_tokens, *args, **kwargs)
+            if rid not in self.num_prompt_logprobs or state is None:
+                whole[rid] = n      # vLLM's own method decides (it skips them)
+                continue
+            start, at = state.num_computed_tokens, first_row(rid, state)
+            if start >= at:
+                whole[rid] = n
+            elif start + n > at:
+                tails.append((rid, state, int(at) - start, n))
+        out = real(self, hidden_states, whole, *args, **kwargs)
+        for rid, state, skip, n in tails:
+            state.num_computed_tokens += skip
+            try:
+                out.update(real(self, hidden_states[skip:], {rid: n - skip}, *args, **kwargs))
+            finally:
+                state.num_computed_tokens -= skip
+        return out
 
-    rows_of_hits.__wrapped__ = real            # type: ignore[attr-defined]
-    runner._get_prompt_logprobs_dict = rows_of_hits
+    rows_wanted.__wrapped__ = real             # type: ignore[attr-defined]
+    runner._get_prompt_logprobs_dict = rows_wanted
     return lambda: setattr(runner, "_get_prompt_logprobs_dict", real)
 
 

@@ -17,7 +17,7 @@ tokens that are not the same in both, a missing or empty comparison raise
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -171,10 +171,13 @@ def _slice(rows: TopLogprobs, start: int) -> TopLogprobs:
                        rows.top_ids[start:], rows.top_logprobs[start:])
 
 
-def compare(hit: RequestOutcome, ref: RequestOutcome, threshold: float) -> Divergence:
+def compare(hit: RequestOutcome, ref: RequestOutcome, threshold: float,
+            start: int | None = None) -> Divergence:
     """``hit`` (a request that resumed from a cached prefix) against ``ref`` (its cold
-    recompute): every prompt position from the hit on, then every output token."""
-    rid, start = hit.id, hit.num_cached_tokens or 0
+    recompute): every prompt position from the hit on (from ``start`` where given),
+    then every output token."""
+    rid = hit.id
+    start = (hit.num_cached_tokens or 0) if start is None else start
     if ref.num_cached_tokens:
         raise DivergenceError(f"request {rid!r}: its recompute was served "
                               f"{ref.num_cached_tokens} cached tokens (it must run cold)")
@@ -198,7 +201,20 @@ def compare(hit: RequestOutcome, ref: RequestOutcome, threshold: float) -> Diver
     return Divergence(largest, crossing, sizes[0], sizes[1])
 
 
-def largest_difference(a: RequestOutcome, b: RequestOutcome) -> float:
+def largest_difference(a: RequestOutcome, b: RequestOutcome, start: int) -> float:
     """The largest difference of two cold computations of one request (the
-    calibration): every position both computed, every measure :func:`compare` uses."""
-    return compare(a, b, threshold=float("inf")).largest
+    calibration) over the positions a verdict compares (prompt positions from
+    ``start``, its hit, on, and every output token), every measure :func:`compare`
+    uses."""
+    return compare(a, b, threshold=float("inf"), start=start).largest
+
+
+def rows_from(outcome: RequestOutcome, start: int) -> RequestOutcome:
+    """``outcome`` with its prompt rows from position ``start`` on only (a cold
+    reference computes none before the hit it stands for: :mod:`.chunk_cuts`);
+    rows missing or starting later are kept as they are, for :func:`compare` to
+    refuse."""
+    rows = outcome.prompt_logprobs
+    if rows is None or rows.first >= start:
+        return outcome
+    return replace(outcome, prompt_logprobs=_slice(rows, start - rows.first))

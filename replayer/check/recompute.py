@@ -22,7 +22,8 @@ residue measured on right hits for the model's compute dtype
 (:data:`.reference.RESIDUE_UNITS`, in units in the last place of that dtype).
 Each verdict says which contract it used. Beside it, the **looser reference**:
 the cold run at the trace's own chunking, held to :data:`MARGIN` times the
-largest difference of the two cold chunkings, never below :data:`FLOOR_UNITS`
+largest difference of the two cold chunkings over the positions the verdicts
+compare (both compute prompt rows from each hit on only), never below :data:`FLOOR_UNITS`
 units of the compute dtype. A hit past its contract is a **wrong hit**, named
 with what served it (its hit, local or from the store, each group's own reach,
 the store keys loaded for it), the first position that diverged and by how
@@ -96,7 +97,7 @@ class Verdict:
 
 @dataclass
 class RecomputeReport:
-    tolerance: float                   # the two cold chunkings' largest difference
+    tolerance: float                   # the two cold chunkings' largest difference (compared)
     looser_chunk: int                  # the looser reference's max_num_batched_tokens
     verdicts: list[Verdict]
     threshold: float = 0.0             # the looser reference's

@@ -12,9 +12,10 @@ exactly there, so it computes the same tokens the same way without any cache.
 Where every chunk is reproduced (the log of the reference says so) the hit must
 equal it bit for bit. The **looser reference** is the cold run at the trace's
 own chunking, batched as the hits were; its tolerance is the largest difference
-between the two cold chunkings (looser vs hit-shaped). Neither reference reads
-the other, so given a second engine process they run side by side, one
-intra-op thread each.
+between the two cold chunkings (looser vs hit-shaped) over the positions the
+verdicts compare. Both compute prompt logprobs only there, from each hit on
+(:mod:`.chunk_cuts`). Neither reference reads the other, so given a second
+engine process they run side by side, one intra-op thread each.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from replayer.check.chunk_cuts import install
-from replayer.check.divergence import largest_difference
+from replayer.check.divergence import largest_difference, rows_from
 from replayer.replay.loop import ReplayResult
 from traces import Trace
 from traces.model.engine_spec import EngineBlock
@@ -90,13 +91,14 @@ class ScheduleLog:
         self.dir = Path(tempfile.mkdtemp(prefix="replayer-recompute-"))
         self._n = 0
 
-    def hook(self, cuts: dict[str, list[int]] | None = None,
-             hits_only: bool = False) -> tuple[Any, Path]:
-        """A replay's ``recorder`` (one thread, log, cuts; ``hits_only``: prompt
-        rows for the requests that hit only), and where its log goes."""
+    def hook(self, cuts: dict[str, list[int]] | None = None, hits_only: bool = False,
+             rows_from: dict[str, int] | None = None) -> tuple[Any, Path]:
+        """A replay's ``recorder`` (one thread, log, cuts; prompt rows with
+        ``hits_only`` for the requests that hit only, from their hit; with
+        ``rows_from`` from each request's position given), and where its log goes."""
         self._n += 1
         path = self.dir / f"{self._n}.jsonl"
-        return partial(install, str(path), cuts, hits_only), path
+        return partial(install, str(path), cuts, hits_only, rows_from), path
 
     @staticmethod
     def read(path: Path) -> dict[str, list[Chunk]]:
@@ -269,7 +271,7 @@ class References:
     shaped: ReplayResult              # the hit-shaped reference
     looser: ReplayResult              # the cold run at the trace's chunking, batched as the hits
     shapes: dict[str, Shape]          # ``why`` also says a reference that missed its cuts
-    tolerance: float                  # the two cold chunkings' largest difference
+    tolerance: float                  # the two cold chunkings' largest difference (compared)
     chunk: int                        # the looser run's max_num_batched_tokens
     dtype: str
 
@@ -281,13 +283,16 @@ def references(trace: Trace, result: ReplayResult, ids: list[str],
     They do not depend on each other: given ``side`` (a replay that may run while
     ``replay`` does: another engine process), the looser one runs there at the
     same time, each at one thread in its own process; else one after the other.
-    Either way the same two results."""
+    Either way the same two results. Each computes prompt rows from each hit on
+    only: the positions a verdict compares, over which the tolerance is taken."""
     wanted = shapes(trace, result, ids, log.read(hit_log))
     cuts = {rid: list(s.cuts) for rid, s in wanted.items() if s.cuts}
-    hook, path = log.hook(cuts)
+    served = result.by_id()
+    hits = {rid: served[rid].num_cached_tokens or 0 for rid in ids}
+    hook, path = log.hook(cuts, rows_from=hits)
     arrivals = {r.id: r.arrival_step for r in result.requests}
     chunk = trace.sized_engine().max_num_batched_tokens or 2048
-    loose_hook, _ = log.hook()
+    loose_hook, _ = log.hook(rows_from=hits)
     loose_trace = cold_trace(trace, ids, chunk, arrivals)
     if side is None:
         shaped = replay(cold_trace(trace, ids), recorder=hook)
@@ -303,7 +308,15 @@ def references(trace: Trace, result: ReplayResult, ids: list[str],
         if s.why is None and got != s.cuts:
             wanted[rid] = dataclasses.replace(
                 s, why=f"its reference was chunked at {list(got)[:8]}, not at {list(s.cuts)[:8]}")
+    shaped, looser = _from_hits(shaped, hits), _from_hits(looser, hits)
     a, b = shaped.by_id(), looser.by_id()
     # Every position and measure a verdict compares (fails closed like it).
-    tolerance = max((largest_difference(a[rid], b[rid]) for rid in ids), default=0.0)
+    tolerance = max((largest_difference(a[rid], b[rid], hits[rid]) for rid in ids), default=0.0)
     return References(shaped, looser, wanted, tolerance, chunk, compute_dtype(trace.engine))
+
+
+def _from_hits(cold: ReplayResult, hits: dict[str, int]) -> ReplayResult:
+    """``cold`` with each hit request's prompt rows from its hit on: the rows
+    computed (those before it were left unwritten)."""
+    return dataclasses.replace(cold, requests=[
+        rows_from(r, hits[r.id]) if r.id in hits else r for r in cold.requests])
