@@ -79,3 +79,80 @@ def test_lookup_async_is_refused_where_the_lookup_client_keeps_results_by_wall_c
             r"^vllm 0.34.0: connector_config.lookup_async: vLLM 0.34.0's MooncakeStore "
             r"lookup client reuses")):
         refuse_wall_clock_lookups(engine, version)
+
+
+def _pool(ids: dict[str, list[int]], primary: dict[str, int]) -> object:
+    """A stand-in for 0.34's block pool: six blocks, a map of hash key -> block id
+    (``_cache``) and, for a key several blocks hold, their ids (``_dup_ids``)."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    blocks = [KVCacheBlock(i) for i in range(6)]
+    cache = {k.encode(): primary[k] for k in ids}
+    dups = {k.encode(): dict.fromkeys(v) for k, v in ids.items() if len(v) > 1}
+    cached = type("BlockHashToBlockMap", (), {})()
+    cached._cache, cached._dup_ids, cached._blocks = cache, dups, blocks
+    pool = type("BlockPool", (), {})()
+    pool.blocks, pool.cached_block_hash_to_block = blocks, cached
+    pool.cached_block_hashes_by_block, pool._reuse_watchers = {}, {}
+    return pool
+
+
+def test_0_34s_prefix_cache_section_names_blocks_by_label_in_the_maps_order():
+    """0.34's map keys block ids: the section writes labels (a pool whose physical ids
+    are permuted writes the same), the block handed out first, then every holder in
+    the map's order (another order is another state)."""
+    from replayer.replay.engines.digest.release_0_33 import _Digest
+    from replayer.replay.engines.digest.release_0_34 import _prefix_cache
+
+    def lines(ids, primary, met):
+        d, pool = _Digest(), _pool(ids, primary)
+        for i in met:                     # blocks the walk met before (the free queue)
+            d.block(pool.blocks[i])
+        return _prefix_cache(d, pool)[:3]
+
+    one = lines({"a": [2], "b": [4, 5]}, {"a": 2, "b": 4}, met=[4, 5])
+    assert one == ["2 keys", "61 B2 [B2]", "62 B0 [B0 B1]"]
+    assert lines({"a": [3], "b": [1, 0]}, {"a": 3, "b": 1}, met=[1, 0]) == one
+    assert lines({"a": [2], "b": [5, 4]}, {"a": 2, "b": 5}, met=[4, 5])[2] == "62 B1 [B1 B0]"
+
+
+def test_a_token_buffer_is_walked_by_its_tokens():
+    """0.34 holds a request's tokens in a TokenBuffer, an array of the vllm package
+    with no fields: walked as an object it would write nothing, so two requests'
+    different tokens would digest alike."""
+    from array import array
+
+    from replayer.replay.engines.digest.walk import Canon
+
+    buffer = type("TokenBuffer", (array,), {"__slots__": (),
+                                             "__module__": "vllm.v1.token_buffer"})
+    canon = Canon({}, {})
+    a, b = canon.enc(buffer("i", [1, 2, 3]), "x"), canon.enc(buffer("i", [1, 2, 4]), "x")
+    assert a.startswith("Ai3:") and a != b
+    assert canon.enc(buffer("i", [1, 2, 3]), "y") == a
+
+
+def test_0_34_splits_into_segments_with_the_sequential_bytes():
+    """0.34's digest (digest/release_0_34.py: its map of block ids, TokenBuffers):
+    live_eagle at K 3 and a 50-step warm-up in one 0.34 process, both boundaries
+    proven as on 0.31.0 (tests/test_segments.py), the bytes the sequential replay's."""
+    from replayer.check.output import dumps
+    from replayer.replay.engines.sources.specs import resolve
+    from replayer.replay.execution.clients import replay_on
+    from replayer.replay.segments import replay_segments
+    from replayer.replay.segments.hosts import make_host
+    from traces import load_target
+
+    from conftest import TRACES
+
+    trace = load_target(TRACES / "live_eagle")
+    engine = resolve("vllm==0.34.0")
+    seq = replay_on(trace, engine)
+    host = make_host(None, 1, 3, engine=engine)
+    try:
+        res, report = replay_segments(trace, host, 3, 50, spec=engine)
+    finally:
+        host.close()
+    assert res.engine.vllm == "0.34.0"
+    assert dumps(res) == dumps(seq)
+    assert report.matched == [1, 2]

@@ -31,6 +31,7 @@ from traces.model.outcome import RequestOutcome
 
 # vLLM release prefix -> the module whose ``DIGEST`` reads that release's state.
 DIGESTS = {"0.33": "replayer.replay.engines.digest.release_0_33",
+           "0.34": "replayer.replay.engines.digest.release_0_34",
            **dict.fromkeys(("0.26", "0.27", "0.28", "0.29", "0.30", "0.31", "0.32"),
                            "replayer.replay.engines.digest.release_0_29")}
 

@@ -107,8 +107,11 @@ EXCLUDED: dict[str, dict[str, str]] = {
         "cached_block_hashes_by_block": _OWN + " (keyed by physical id: written by label)",
         "null_block": "the one placeholder block, fixed at start-up",
         "_reuse_watchers": "keyed by physical id, to connector callbacks: the watched "
-                           "blocks are written by label"},
-    "BlockHashToBlockMap": {"_cache": _OWN + " (sorted by key)"},
+                           "blocks are written by label",
+        "_weak_self": "0.34: a weak reference to the pool itself (each block's pool)"},
+    "BlockHashToBlockMap": {"_cache": _OWN + " (sorted by key)",
+                            "_dup_ids": _OWN + " (0.34: every block id of a key, by label)",
+                            "_blocks": "0.34: the pool's block list (physical ids)"},
     "FreeKVCacheBlockQueue": {"fake_free_list_head": _OWN + " (the queue in order)",
                               "fake_free_list_tail": _OWN + " (the queue in order)"},
     "KVCacheBlock": {"block_id": _PHYSICAL, "pool": "the pool it belongs to (walked)",

@@ -108,6 +108,11 @@ class Canon:
         for kind, ref in self.refs:
             if isinstance(x, kind):
                 return ref(x)
+        if isinstance(x, array):
+            # vLLM 0.34's TokenBuffer (token ids): an array of the vllm package whose
+            # contents no field holds, so walked as an object it would encode as nothing.
+            return (f"A{x.typecode}{len(x)}:"
+                    + hashlib.blake2b(x.tobytes(), digest_size=16).hexdigest())
         if isinstance(x, np.ndarray):
             return (f"nd {x.dtype.str}{list(x.shape)}:"
                     + hashlib.blake2b(np.ascontiguousarray(x).tobytes(), digest_size=16).hexdigest())

@@ -1,0 +1,69 @@
+"""The state digest for vLLM 0.34 (the 0.33 adapter's range): 0.33's
+(:mod:`.release_0_33`), but for the prefix-cache map.
+
+Read from the 0.34.0 wheel's ``vllm/v1/core/block_pool.py``,
+``kv_cache_utils.py``, ``v1/request.py`` and ``sched/scheduler.py``. What
+differs from 0.33:
+
+* **The prefix-cache map holds block ids.** ``BlockHashToBlockMap._cache``
+  maps a hash key to one physical block id (the block ``get_one_block`` hands
+  out), and ``_dup_ids`` lists, in insertion order, every id of a key several
+  blocks hold; ``_blocks`` is the pool's block list. The section writes each
+  key's blocks by label, the one handed out first, as 0.33's writes its blocks
+  in its map's order.
+* The block pool keeps a weak reference to itself (``_weak_self``), which each
+  block's ``pool`` holds: left out, as ``pool`` is.
+* A request's tokens are a ``TokenBuffer`` (an ``array`` of int32): the walker
+  hashes its contents (:mod:`.walk`), never its (empty) fields.
+
+The scheduler's new fields (``async_kv_waiting``, ``_parked_reservations``,
+``_aborted_kv_loads``, the cache-aware admission settings) are walked unasked;
+a field the digest reads that 0.34 lacks fails the boundary (never trusted).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from replayer.replay.engines.digest.release_0_33 import (
+    EXCLUDED,
+    DigestError,
+    counters,
+    state_sections,
+)
+from replayer.replay.engines.digest.walk import sha
+
+__all__ = ["DIGEST", "DigestError", "EXCLUDED", "counters", "state_digest"]
+
+
+def _prefix_cache(d: Any, pool: Any) -> list[str]:
+    """The prefix-cache map: hash key -> the block handed out, then every block
+    holding it in the map's order (labels, never physical ids)."""
+    cached = pool.cached_block_hash_to_block
+    cache, dups = cached._cache, cached._dup_ids
+    if not isinstance(cache, dict) or not isinstance(dups, dict):
+        raise DigestError("block_pool.cached_block_hash_to_block: not 0.34's map of block ids")
+    entries = []
+    for key in sorted(cache, key=bytes):
+        ids = list(dups[key]) if key in dups else [cache[key]]
+        held = " ".join(d.block(pool.blocks[i]) for i in ids)
+        entries.append(f"{bytes(key).hex()} {d.block(pool.blocks[cache[key]])} [{held}]")
+    extra = sorted(f"{d.block(pool.blocks[i])} "
+                   + " ".join(sorted(bytes(k).hex() for k in keys))
+                   for i, keys in pool.cached_block_hashes_by_block.items())
+    watched = sorted(d.block(pool.blocks[i]) for i in pool._reuse_watchers)
+    return [f"{len(cache)} keys", *entries, *extra, d.obj(cached, "cached_block_hash_to_block"),
+            d.obj(pool, "block_pool"), f"reuse_watchers {' '.join(watched)}"]
+
+
+def state_digest(engine: Any, loop: dict[str, int],
+                 pending: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
+    """Each section's hash, and ``total`` over them all (as 0.33's)."""
+    sections = state_sections(engine, loop, pending, prefix_cache=_prefix_cache)
+    parts = {name: sha(lines) for name, lines in sections.items()}
+    parts["total"] = sha([f"{k}={v}" for k, v in parts.items()])
+    return parts
+
+
+# What the segment runner calls (one name per digest module).
+DIGEST: Callable[..., dict[str, str]] = state_digest
