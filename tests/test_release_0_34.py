@@ -43,10 +43,11 @@ def test_0_34_keeps_the_last_unit_a_store_resend_lost_to_the_eagle_drop_on_0_33(
     scenario = tmp_path / "resend.yaml"
     scenario.write_text(SLICE)
     out = tmp_path / "diff.json"
-    proc = cli("diff", scenario, "--engine", "vllm==0.33.0", "--engine", "vllm==0.34.0",
+    proc = cli("diff", scenario, "--engine", "installed", "--engine", "vllm==0.34.0",
                "--json", out)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
+    assert data["a"]["vllm"] == "0.33.0"               # the installed vLLM
     assert data["b"] == {"vllm": "0.34.0", "source": "release"}
     # 7424 = 7448 // 128 * 128: the store's last prefix-match boundary; 0.33 drops one unit.
     assert data["requests"] == [{
