@@ -295,86 +295,18 @@ def explain(trace: Trace, run: Replayer, *,
     a replay's outcome, so every replay can start together and the result is
     the same as one after the other."""
     refuse_unexplainable(trace)
-    say = progress or (lambda _msg: None)
-    steps = counterfactuals(trace)
-    if run_many is not None:
-        chain = [trace]
-        for step in steps:
-            chain.append(step.apply(chain[-1]))
-        say(f"{len(chain)} replays at once")
-        done = iter(run_many(chain))
-        base = next(done)
-    else:
-        say("baseline replay")
-        base = run(trace)
+    chain = _Chain(trace, counterfactuals(trace))
+    chain.run(run, progress or (lambda _msg: None), run_many)
+    base = chain.results[0]
     reach = reachable_hits(trace, _clock(base))
     unit = prefix_match_unit(trace.engine)
     align = int(base.hit_alignment or unit)
     ids = reach["id"].to_list()
+    lost, evidence = chain.split(ids)
+    mamba_short = _below_the_floor(chain.results[-1], reach, align, lost)
+    evidence.update(_evidence_beside_the_chain(trace, base, align, evidence, lost,
+                                               mamba_short))
     actual = _cached(base)
-    prev = actual
-    lost: dict[str, dict[str, int]] = {c: dict.fromkeys(ids, 0) for c in CAUSES}
-    evidence: dict[str, str] = {}
-    replays = [{"change": "baseline (the trace as given)", "summary": base.summary()}]
-    current = trace
-    last = base
-    before_store = None
-    for step in steps:
-        if step.cause == "store" and before_store is None:
-            before_store = last
-        if run_many is not None:
-            last = next(done)
-        else:
-            say(f"counterfactual: {step.change}")
-            current = step.apply(current)
-            last = run(current)
-        now = _cached(last)
-        for rid in ids:
-            lost[step.cause][rid] += now[rid] - prev[rid]
-        prev = now
-        evidence[step.cause] = "; then ".join(filter(None, (evidence.get(step.cause),
-                                                             step.evidence)))
-        replays.append({"change": step.change, "cause": step.cause, "summary": last.summary()})
-    by_id = last.by_id()
-    mamba_short: dict[str, tuple[int, int]] = {}
-    for rid, r in zip(ids, reach["reachable"].to_list()):
-        floor = (r // align) * align
-        lost["alignment"][rid] = r - floor
-        gap = floor - prev[rid]
-        if gap:
-            cause = _limiting_kind(by_id[rid], last.kv_groups, prev[rid], floor) if gap > 0 \
-                else "unexplained"
-            lost[cause][rid] += gap
-            if cause == "sparse_retention":
-                mamba_short[rid] = (min(by_id[rid].group_hits), floor)
-    evidence["alignment"] = (f"the reachable prefix minus its floor to vLLM's "
-                             f"cache_hit_alignment_tokens ({align})")
-    kinds = {g.kind for g in trace.engine.kv_groups}
-    no_state = sum(floor - low for low, floor in mamba_short.values())
-    if "sparse_retention" in evidence:
-        dense = sum(lost["sparse_retention"].values()) - no_state
-        evidence["sparse_retention"] = (
-            f"replay with dense Mamba/SWA checkpoints minus the previous ({dense}), plus "
-            f"where vLLM's per-group lookup (find_longest_cache_hit_per_group) on that replay "
-            f"shows a Mamba group had no state ({no_state}){MAMBA_WRITES if no_state else ''}")
-    elif "mamba" in kinds:
-        evidence["sparse_retention"] = (
-            "what vLLM's per-group lookup (find_longest_cache_hit_per_group) on the last replay "
-            f"shows a Mamba group could not serve{MAMBA_WRITES if no_state else ''}")
-    else:
-        evidence["sparse_retention"] = ("no Mamba or sliding-window group in this geometry: "
-                                        "nothing to measure")
-    evidence["sliding_window"] = (
-        "what vLLM's per-group lookup on the last replay shows a sliding-window group could "
-        "not serve" if "sliding_window" in kinds
-        else "no sliding-window group in this geometry: nothing to measure")
-    evidence["preemption"] = preemption_evidence(base)
-    evidence["unexplained"] = ("reachable minus actual minus every cause above; nonzero is a "
-                               "finding")
-    evidence.setdefault("capacity", "the KV cache already holds every request at once: "
-                                    "nothing is ever evicted")
-    for c in ("store", "reset", "eagle_drop"):
-        evidence.setdefault(c, "no such rule in this geometry or trace: nothing to measure")
     why = base.by_id()
     shared = shared_tokens(trace, _clock(base))
     if shared is not None:
@@ -389,9 +321,121 @@ def explain(trace: Trace, run: Replayer, *,
     frame = frame.select("id", "arrival_step", "num_prompt_tokens", "reachable", "actual",
                          *[f"lost_{c}" for c in CAUSES], "reachable_from", "shared_tokens")
     return Explanation(engine=trace.engine, unit=unit, hit_alignment=align, table=frame,
-                       evidence={c: evidence[c] for c in CAUSES}, replays=replays,
+                       evidence={c: evidence[c] for c in CAUSES}, replays=chain.replays,
                        baseline=base, mamba_short=mamba_short,
-                       **_beside_the_causes(trace, frame, reach, base, before_store))
+                       **_beside_the_causes(trace, frame, reach, base, chain.before_store))
+
+
+@dataclass
+class _Chain:
+    """The baseline and its counterfactuals, each on top of the previous one."""
+
+    trace: Trace
+    steps: list[Counterfactual]
+    results: list[ReplayResult] = field(default_factory=list)
+    replays: list[dict[str, Any]] = field(default_factory=list)
+    # The replay the first store step is measured against: its store misses are said.
+    before_store: ReplayResult | None = None
+
+    def run(self, run: Replayer, say: Callable[[str], None],
+            run_many: Callable[[list[Trace]], list[ReplayResult]] | None) -> None:
+        """Every replay of the chain, at once where ``run_many`` is given."""
+        if run_many is not None:
+            traces = [self.trace]
+            for step in self.steps:
+                traces.append(step.apply(traces[-1]))
+            say(f"{len(traces)} replays at once")
+            self.results = list(run_many(traces))
+        else:
+            say("baseline replay")
+            self.results = [run(self.trace)]
+            current = self.trace
+            for step in self.steps:
+                say(f"counterfactual: {step.change}")
+                current = step.apply(current)
+                self.results.append(run(current))
+        self.replays = [{"change": "baseline (the trace as given)",
+                         "summary": self.results[0].summary()}]
+        for step, result in zip(self.steps, self.results[1:]):
+            self.replays.append({"change": step.change, "cause": step.cause,
+                                 "summary": result.summary()})
+
+    def split(self, ids: list[str]) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+        """Tokens each step gained over the previous replay, by cause and request,
+        and how each cause was measured (a cause measured twice says both)."""
+        lost: dict[str, dict[str, int]] = {c: dict.fromkeys(ids, 0) for c in CAUSES}
+        evidence: dict[str, str] = {}
+        prev = _cached(self.results[0])
+        for step, before, result in zip(self.steps, self.results, self.results[1:]):
+            if step.cause == "store" and self.before_store is None:
+                self.before_store = before
+            now = _cached(result)
+            for rid in ids:
+                lost[step.cause][rid] += now[rid] - prev[rid]
+            prev = now
+            evidence[step.cause] = "; then ".join(filter(None, (evidence.get(step.cause),
+                                                                 step.evidence)))
+        return lost, evidence
+
+
+def _below_the_floor(last: ReplayResult, reach: pl.DataFrame, align: int,
+                     lost: dict[str, dict[str, int]]) -> dict[str, tuple[int, int]]:
+    """What the last replay still misses of each reachable prefix: the part below
+    the hit alignment is ``alignment``, the rest the cause vLLM's per-group lookup
+    names (``unexplained`` where it names none). Returns the requests a Mamba group
+    stopped short: id -> (what the Mamba groups could serve, the floor)."""
+    by_id = last.by_id()
+    got = _cached(last)
+    mamba_short: dict[str, tuple[int, int]] = {}
+    for rid, r in zip(reach["id"].to_list(), reach["reachable"].to_list()):
+        floor = (r // align) * align
+        lost["alignment"][rid] = r - floor
+        gap = floor - got[rid]
+        if gap:
+            cause = _limiting_kind(by_id[rid], last.kv_groups, got[rid], floor) if gap > 0 \
+                else "unexplained"
+            lost[cause][rid] += gap
+            if cause == "sparse_retention":
+                mamba_short[rid] = (min(by_id[rid].group_hits), floor)
+    return mamba_short
+
+
+def _evidence_beside_the_chain(trace: Trace, base: ReplayResult, align: int,
+                               evidence: dict[str, str], lost: dict[str, dict[str, int]],
+                               mamba_short: dict[str, tuple[int, int]]) -> dict[str, str]:
+    """How each cause no counterfactual measured (or measured only in part) was found."""
+    out: dict[str, str] = {}
+    out["alignment"] = (f"the reachable prefix minus its floor to vLLM's "
+                        f"cache_hit_alignment_tokens ({align})")
+    kinds = {g.kind for g in trace.engine.kv_groups}
+    no_state = sum(floor - low for low, floor in mamba_short.values())
+    if "sparse_retention" in evidence:
+        dense = sum(lost["sparse_retention"].values()) - no_state
+        out["sparse_retention"] = (
+            f"replay with dense Mamba/SWA checkpoints minus the previous ({dense}), plus "
+            f"where vLLM's per-group lookup (find_longest_cache_hit_per_group) on that replay "
+            f"shows a Mamba group had no state ({no_state}){MAMBA_WRITES if no_state else ''}")
+    elif "mamba" in kinds:
+        out["sparse_retention"] = (
+            "what vLLM's per-group lookup (find_longest_cache_hit_per_group) on the last replay "
+            f"shows a Mamba group could not serve{MAMBA_WRITES if no_state else ''}")
+    else:
+        out["sparse_retention"] = ("no Mamba or sliding-window group in this geometry: "
+                                   "nothing to measure")
+    out["sliding_window"] = (
+        "what vLLM's per-group lookup on the last replay shows a sliding-window group could "
+        "not serve" if "sliding_window" in kinds
+        else "no sliding-window group in this geometry: nothing to measure")
+    out["preemption"] = preemption_evidence(base)
+    out["unexplained"] = ("reachable minus actual minus every cause above; nonzero is a "
+                          "finding")
+    if "capacity" not in evidence:
+        out["capacity"] = ("the KV cache already holds every request at once: nothing is "
+                           "ever evicted")
+    for c in ("store", "reset", "eagle_drop"):
+        if c not in evidence:
+            out[c] = "no such rule in this geometry or trace: nothing to measure"
+    return out
 
 
 def _beside_the_causes(trace: Trace, frame: pl.DataFrame, reach: pl.DataFrame,
