@@ -50,10 +50,16 @@ def _figures(ex: Explanation, trace_header: dict[str, Any],
              sweep: dict[str, Any] | None) -> list[tuple[str, Any]]:
     import plotly.graph_objects as go
 
-    t = ex.table
-    figs: list[tuple[str, Any]] = []
+    figs = [("hit-rate-over-time", _hit_rate_over_time(go, ex, trace_header)),
+            ("reachable-vs-actual", _reachable_vs_actual(go, ex.table)),
+            ("lost-by-cause", _lost_by_cause(go, ex)),
+            ("per-group-hits", _per_group_hits(go, ex))]
+    return figs + (_sweep_figures(go, sweep) if sweep else [])
+
+
+def _hit_rate_over_time(go: Any, ex: Explanation, trace_header: dict[str, Any]) -> Any:
     x, label = _time_axis(ex, trace_header)
-    frame = t.with_columns(x.alias("t"))
+    frame = ex.table.with_columns(x.alias("t"))
     n = max(1, min(BUCKETS, frame.height))
     lo, hi = float(frame["t"].min()), float(frame["t"].max())
     width = (hi - lo) / n or 1.0
@@ -68,8 +74,10 @@ def _figures(ex: Explanation, trace_header: dict[str, Any],
                     name="actual (vLLM)", mode="lines+markers")
     fig.update_layout(title="Prefix-cache hit rate over the trace", xaxis_title=label,
                       yaxis_title="hit rate (tokens)", yaxis_tickformat=".0%")
-    figs.append(("hit-rate-over-time", fig))
+    return fig
 
+
+def _reachable_vs_actual(go: Any, t: pl.DataFrame) -> Any:
     fig = go.Figure()
     top = max(1, int(t["reachable"].max() or 1))
     fig.add_scatter(x=[0, top], y=[0, top], mode="lines", name="actual = reachable",
@@ -78,18 +86,22 @@ def _figures(ex: Explanation, trace_header: dict[str, Any],
                     name="request", text=t["id"].to_list(), marker={"size": 6, "opacity": 0.6})
     fig.update_layout(title="Reachable vs actual hit per request (tokens)",
                       xaxis_title="reachable", yaxis_title="actual")
-    figs.append(("reachable-vs-actual", fig))
+    return fig
 
+
+def _lost_by_cause(go: Any, ex: Explanation) -> Any:
     totals = ex.totals()
     fig = go.Figure(go.Bar(x=list(CAUSES), y=[totals[c] for c in CAUSES],
                            hovertext=[ex.evidence[c] for c in CAUSES]))
     fig.update_layout(title="Lost tokens by cause (reachable - actual)", yaxis_title="tokens")
-    figs.append(("lost-by-cause", fig))
+    return fig
 
+
+def _per_group_hits(go: Any, ex: Explanation) -> Any:
     groups = ex.baseline.kv_groups or [{"group": 0, "kind": "full_attention"}]
     by_id = ex.baseline.by_id()
     per_group = [0] * len(groups)
-    for rid in t["id"].to_list():
+    for rid in ex.table["id"].to_list():
         r = by_id[rid]
         hits = r.group_hits or [r.num_cached_tokens or 0] * len(groups)
         for g, h in enumerate(hits):
@@ -97,26 +109,30 @@ def _figures(ex: Explanation, trace_header: dict[str, Any],
     names = [f"group {g['group']} ({g['kind']})" for g in groups]
     fig = go.Figure()
     fig.add_bar(x=names, y=per_group, name="what the group alone could serve")
-    fig.add_bar(x=names, y=[int(t["actual"].sum())] * len(groups), name="actual hit (all groups)")
+    fig.add_bar(x=names, y=[int(ex.table["actual"].sum())] * len(groups),
+                name="actual hit (all groups)")
     fig.update_layout(title="Per-group hits (vLLM's find_longest_cache_hit_per_group)",
                       yaxis_title="tokens", barmode="group")
-    figs.append(("per-group-hits", fig))
+    return fig
 
-    if sweep:
-        for key in sweep["grid"]:
-            others = [k for k in sweep["grid"] if k != key]
-            fig = go.Figure()
-            series: dict[str, list[dict[str, Any]]] = {}
-            for row in sweep["rows"]:
-                name = ", ".join(f"{k.removeprefix('engine.')}={row[k]}" for k in others)
-                series.setdefault(name or "hit rate", []).append(row)
-            for name, rows in series.items():
-                fig.add_scatter(x=[r[key] for r in rows], y=[r["hit_rate"] for r in rows],
-                                mode="lines+markers", name=name)
-            fig.update_layout(title=f"Sweep: hit rate against {key.removeprefix('engine.')}",
-                              xaxis_title=key.removeprefix("engine."), yaxis_title="hit rate",
-                              yaxis_tickformat=".0%", xaxis_type="category")
-            figs.append((f"sweep-{key.removeprefix('engine.')}", fig))
+
+def _sweep_figures(go: Any, sweep: dict[str, Any]) -> list[tuple[str, Any]]:
+    """One figure per swept key: hit rate against it, a line per setting of the others."""
+    figs = []
+    for key in sweep["grid"]:
+        others = [k for k in sweep["grid"] if k != key]
+        fig = go.Figure()
+        series: dict[str, list[dict[str, Any]]] = {}
+        for row in sweep["rows"]:
+            name = ", ".join(f"{k.removeprefix('engine.')}={row[k]}" for k in others)
+            series.setdefault(name or "hit rate", []).append(row)
+        for name, rows in series.items():
+            fig.add_scatter(x=[r[key] for r in rows], y=[r["hit_rate"] for r in rows],
+                            mode="lines+markers", name=name)
+        fig.update_layout(title=f"Sweep: hit rate against {key.removeprefix('engine.')}",
+                          xaxis_title=key.removeprefix("engine."), yaxis_title="hit rate",
+                          yaxis_tickformat=".0%", xaxis_type="category")
+        figs.append((f"sweep-{key.removeprefix('engine.')}", fig))
     return figs
 
 
