@@ -125,29 +125,43 @@ def engine_block(vllm_config: Any, kv_cache_config: Any, adapter: Any) -> Engine
         block["vocab_size"] = int(vocab)
     spec = vllm_config.speculative_config
     if spec is not None and spec.num_speculative_tokens:
-        block["speculative"] = adapter.speculative_block(spec)
-        draft_group = _draft_group(groups, flagged)
-        if draft_group is not None:
-            block["speculative"]["draft_group"] = draft_group
-        modules = mtp_modules(spec)
-        if modules is not None and modules != 1:
-            block["speculative"]["mtp_modules"] = modules
-    ktc = vllm_config.kv_transfer_config
-    if ktc is not None and ktc.kv_connector in CONNECTORS:
-        block["connector"] = CONNECTORS[ktc.kv_connector]
-        extra = ktc.kv_connector_extra_config or {}
-        conf = {k: extra[k] for k in CONNECTOR_CONFIG_KEYS[CONNECTORS[ktc.kv_connector]]
-                if k in extra}
-        if ktc.kv_role not in (None, "kv_both"):      # KVTransferConfig's own field
-            conf["kv_role"] = ktc.kv_role
-        if conf:
-            block["connector_config"] = conf
-        if getattr(ktc, "kv_load_failure_policy", "fail") != "fail":
-            block["kv_load_failure_policy"] = str(ktc.kv_load_failure_policy)
-        segment = store_segment_size()
-        if segment is not None:
-            block["mooncake_global_segment_size"] = segment
+        block["speculative"] = _speculative(spec, adapter, groups, flagged)
+    block.update(_connector(vllm_config.kv_transfer_config))
     return EngineBlock.from_dict("the recorded engine", block)
+
+
+def _speculative(spec: Any, adapter: Any, groups: list[dict[str, Any]],
+                 flagged: list[int]) -> dict[str, Any]:
+    """The ``speculative`` block: the adapter's fields, the group vLLM marked for
+    the draft where it says which, and an MTP draft's module count past one."""
+    out = adapter.speculative_block(spec)
+    draft_group = _draft_group(groups, flagged)
+    if draft_group is not None:
+        out["draft_group"] = draft_group
+    modules = mtp_modules(spec)
+    if modules is not None and modules != 1:
+        out["mtp_modules"] = modules
+    return out
+
+
+def _connector(ktc: Any) -> dict[str, Any]:
+    """The connector's fields of the engine block ({} for none the replay drives)."""
+    if ktc is None or ktc.kv_connector not in CONNECTORS:
+        return {}
+    out: dict[str, Any] = {"connector": CONNECTORS[ktc.kv_connector]}
+    extra = ktc.kv_connector_extra_config or {}
+    conf = {k: extra[k] for k in CONNECTOR_CONFIG_KEYS[CONNECTORS[ktc.kv_connector]]
+            if k in extra}
+    if ktc.kv_role not in (None, "kv_both"):      # KVTransferConfig's own field
+        conf["kv_role"] = ktc.kv_role
+    if conf:
+        out["connector_config"] = conf
+    if getattr(ktc, "kv_load_failure_policy", "fail") != "fail":
+        out["kv_load_failure_policy"] = str(ktc.kv_load_failure_policy)
+    segment = store_segment_size()
+    if segment is not None:
+        out["mooncake_global_segment_size"] = segment
+    return out
 
 
 def store_segment_size() -> int | None:
