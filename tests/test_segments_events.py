@@ -56,7 +56,8 @@ def _evict_waves(j, t, req, event):
 def _store_waves(j, t, req, event):
     """tests/test_segments_store.py's waves, plus: a get fault on n4's keys armed
     at step 170 (r4's load fails at 180), n4's keys removed at 184 (x4 misses),
-    and a lookup fault on n3's keys (step 120) armed at 262 (w6 meets it)."""
+    a lookup fault on n3's keys (step 120) armed at 262 (w6 meets it), and one
+    on n7's (arriving at 280) armed at 292 (r7 meets it)."""
     req(f"n{j}", t, j)
     if j >= 1:
         req(f"q{j}", t + 8, j - 1)
@@ -72,6 +73,8 @@ def _store_waves(j, t, req, event):
     if j == 6:
         event(t + 22, "action: store_fault, op: lookup, keys: [{request: n3}]")
         req("w6", t + 26, 3)
+    if j == 7:
+        event(t + 12, "action: store_fault, op: lookup, keys: [{request: n7}]")
 
 
 @pytest.fixture(scope="module")
@@ -123,22 +126,24 @@ def test_evicts_split_with_the_sequential_bytes(evicts, monkeypatch):
 
 
 def test_store_removes_and_faults_split_with_the_sequential_bytes(store_events, monkeypatch):
-    """At step 180 the fault armed on n4's keys and their removal to come name a
-    request that has finished, filed alike on both sides: the boundary matches.
-    At 260 the lookup fault to come names n3, which arrived before segment 2's
-    warm-up: the digest cannot settle whose keys those are, the boundary is not
-    trusted, and the segment before replays on. The --json bytes, every store
+    """At step 180 the fault armed on n4's keys, their removal and the faults
+    to come name requests (n7 not yet arrived) whose hashes are named alike on
+    both sides: the boundary matches. At 260 the lookup fault to come names
+    n3, which arrived before segment 2's warm-up: only the events section
+    differs, and the segment before replays on. The --json bytes, every store
     row and each fault's firings are the sequential replay's. With the events
-    section blanked, 260 passes and the fault never fires."""
+    section blanked, 260 passes and the fault on n3's keys never fires."""
     trace, seq = store_events
     assert why_serial(trace) is None
     by_id = {r.id: r for r in seq.requests}
     assert by_id["r4"].num_cached_tokens is None and by_id["x4"].num_cached_tokens == 0
-    assert [f["fired"] for f in seq.store["faults"]] == [1, 1]
+    assert [f["fired"] for f in seq.store["faults"]] == [1, 1, 1]
     res, report = replay_segments(trace, InProcessHost(), 3, 110)
     assert report.plan.boundaries == [180, 260]
     assert report.matched == [1]
-    assert "names request 'n3'" in report.checks[1].note
+    failed = report.checks[1]
+    assert {k for k in failed.exact if failed.exact[k] != failed.started[k]} == {"events",
+                                                                                  "total"}
     assert dumps(res) == dumps(seq)
     assert res.store["rows"] == seq.store["rows"]
     assert res.store["faults"] == seq.store["faults"]
@@ -146,5 +151,5 @@ def test_store_removes_and_faults_split_with_the_sequential_bytes(store_events, 
     _blank_events(monkeypatch)
     res, report = replay_segments(trace, InProcessHost(), 3, 110)
     assert report.matched == [1, 2]
-    assert [f["fired"] for f in res.store["faults"]] == [1, 0]
+    assert [f["fired"] for f in res.store["faults"]] == [1, 0, 1]
     assert res.store["rows"] != seq.store["rows"]

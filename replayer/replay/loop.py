@@ -187,6 +187,23 @@ def refuse_unsupported(trace: Trace) -> None:
                               "is not supported yet")
 
 
+def engine_request(rows: Any, tokens: TokenSource, i: int, n_spec: int,
+                   shortcuts: bool) -> EngineRequest:
+    """Row ``i`` of a trace as the request the loop adds (a time segment's digest
+    builds one it has not added yet the same way: segments/worker.py)."""
+    prompt = tokens.prompt(i)
+    blocks = tokens.prompt_blocks(i) if shortcuts else None
+    output_len = rows.output_len[i]
+    return EngineRequest(
+        id=rows.ids[i], prompt_tokens=prompt.tolist(),
+        output_tokens=tokens.output(i, output_len, n_spec + 1).tolist(),
+        output_len=output_len, cache_salt=rows.cache_salt[i],
+        priority=rows.priority[i] or 0,
+        skip_reading_prefix_cache=bool(rows.skip_reading_prefix_cache[i]),
+        prompt_block_ids=blocks[0] if blocks else None,
+        prompt_block_tokens=blocks[1] if blocks else 0)
+
+
 def run_targeted(engine: EngineAdapter, ev: Event, clock: int, arrived: bool | None) -> None:
     """An ``evict`` of cached GPU blocks, a ``store_remove`` of store keys, or a
     ``store_fault`` armed; an event that would touch nothing is an error, never a
@@ -371,25 +388,15 @@ class _LoopState:
 
     def add(self, i: int) -> None:
         """Row ``i`` arrives: into the engine, and pending in arrival order."""
-        rows, tokens = self.rows, self.tokens
-        prompt = tokens.prompt(i)
-        blocks = tokens.prompt_blocks(i) if self.shortcuts else None
-        rid = rows.ids[i]
-        output_len = rows.output_len[i]
-        self.engine.add_request(EngineRequest(
-            id=rid, prompt_tokens=prompt.tolist(),
-            output_tokens=tokens.output(i, output_len, self.n_spec + 1).tolist(),
-            output_len=output_len, cache_salt=rows.cache_salt[i],
-            priority=rows.priority[i] or 0,
-            skip_reading_prefix_cache=bool(rows.skip_reading_prefix_cache[i]),
-            prompt_block_ids=blocks[0] if blocks else None,
-            prompt_block_tokens=blocks[1] if blocks else 0))
-        tokens.release(i)                 # a streamed trace drops the row's lists
+        request = engine_request(self.rows, self.tokens, i, self.n_spec, self.shortcuts)
+        self.engine.add_request(request)
+        self.tokens.release(i)            # a streamed trace drops the row's lists
+        rid = request.id
         self.arrived[i] = True
         self.live[rid] = i
         self.order.append(i)
         self.pending[i] = RequestOutcome(id=rid, arrival_step=self.clock,
-                                         num_prompt_tokens=len(prompt))
+                                         num_prompt_tokens=len(request.prompt_tokens))
 
     def hand_on(self) -> None:
         """Outcomes at the front of arrival order that are complete, to the sink."""

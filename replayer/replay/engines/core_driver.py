@@ -306,8 +306,7 @@ class CoreEngine(EngineAdapter):
         return DraftTokenIds(ids, drafts) if ids else None
 
     # -- the replay loop's interface -------------------------------------
-    def add_request(self, request: EngineRequest) -> None:
-        self._outputs[request.id] = request.output_tokens
+    def _core_request(self, request: EngineRequest) -> EngineCoreRequest:
         logprobs: dict[str, Any] = {"logprobs": 0 if self.wants_logprobs else None}
         if self._top is not None:
             logprobs = self._top.sampling_args()
@@ -315,10 +314,22 @@ class CoreEngine(EngineAdapter):
                                 detokenize=False, **logprobs)
         if request.skip_reading_prefix_cache:    # recorded so: it never read the cache
             params.skip_reading_prefix_cache = True
-        ecr = EngineCoreRequest(
+        return EngineCoreRequest(
             request_id=request.id, prompt_token_ids=request.prompt_tokens, mm_features=None,
             sampling_params=params, pooling_params=None, arrival_time=0.0, lora_request=None,
             cache_salt=request.cache_salt, data_parallel_rank=None, priority=request.priority)
+
+    def block_hashes_of(self, request: EngineRequest) -> list:
+        """vLLM's block hashes of ``request`` with its whole output appended, from
+        vLLM's own Request and hasher, without adding it: a time segment's digest
+        reads which names a request's keys will get (digest/events.py)."""
+        req, _ = self.core.preprocess_add_request(self._core_request(request))
+        req.append_output_token_ids(list(request.output_tokens[:request.output_len]))
+        return list(req.block_hashes)
+
+    def add_request(self, request: EngineRequest) -> None:
+        self._outputs[request.id] = request.output_tokens
+        ecr = self._core_request(request)
         if self.prefix_hashes is not None and request.prompt_block_ids is not None:
             self.prefix_hashes.expect(request.id, request.prompt_block_ids,
                                       request.prompt_block_tokens)

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from replayer.replay.engines.digest.events import Pending
 from replayer.replay.engines.digest.walk import DigestError
 from replayer.replay.segments.plan import Segment
 from traces import Trace
@@ -152,6 +153,9 @@ class SegmentWorker:
         self.owned_end = segment.end
         # The part's events, for the digest's list of those still to come.
         self._events = trace.events.to_pylist() if trace.events is not None else []
+        self._rows: Any = None
+        self._row_of: dict[str, int] = {}
+        self._tokens: Any = None
         self._clock = time.perf_counter()
         self.timings: dict[str, float] = {}
 
@@ -165,11 +169,30 @@ class SegmentWorker:
         spent, self._clock = now - self._clock, now
         return spent
 
-    def _pending(self, clock: int) -> list[dict[str, Any]]:
+    def _pending(self, clock: int) -> Pending:
         """The part's events not yet run at a pause at ``clock`` (the loop pauses
         before the events due then): an ``evict``, ``store_remove`` or
-        ``store_fault`` among them reads state from before the boundary."""
-        return [e for e in self._events if e["at_step"] is not None and e["at_step"] >= clock]
+        ``store_fault`` among them reads state from before the boundary; and
+        the part's requests, as the loop would add them."""
+        return Pending([e for e in self._events
+                        if e["at_step"] is not None and e["at_step"] >= clock],
+                       self._request_of)
+
+    def _request_of(self, rid: str) -> Any:
+        """Request ``rid`` of this part as the loop adds it (None: not in the part)."""
+        from replayer.replay.loop import engine_request
+        from traces.materialize import TokenSource, request_rows
+
+        if self._rows is None:
+            self._rows = request_rows(self.trace.requests)
+            self._row_of = {r: i for i, r in enumerate(self._rows.ids)}
+            self._tokens = TokenSource(self.trace.header, self.trace.requests,
+                                       self.trace.request_lists)
+        i = self._row_of.get(rid)
+        if i is None:
+            return None
+        return engine_request(self._rows, self._tokens, i,
+                              self.trace.engine.num_speculative_tokens, shortcuts=False)
 
     def _boundary(self, point: int) -> Boundary:
         run = self._run

@@ -25,7 +25,7 @@ release lacks excludes nothing.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from replayer.replay.engines.digest.release_0_33 import EXCLUDED, DigestError, counters, state_sections
 from replayer.replay.engines.digest.walk import sha
@@ -41,7 +41,7 @@ def _scheduler(d: Any, sched: Any) -> list[str]:
 
 
 def state_digest(engine: Any, loop: dict[str, int],
-                 pending: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
+                 pending: Any = None) -> dict[str, str]:
     """Each section's hash, and ``total`` over them all (as 0.33's)."""
     sections = state_sections(engine, loop, pending, scheduler=_scheduler)
     parts = {name: sha(lines) for name, lines in sections.items()}

@@ -34,7 +34,7 @@ boundary by :func:`counters`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
@@ -275,7 +275,7 @@ def _blocks(d: _Digest, pool: Any) -> list[str]:
     return [f"{len(d.blocks)} met, {unmet} held elsewhere", *rows]
 
 
-def state_sections(engine: Any, loop: dict[str, int], pending: Sequence[dict[str, Any]] = (), *,
+def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
                    scheduler: Callable[[_Digest, Any], list[str]] = _scheduler,
                    prefix_cache: Callable[[_Digest, Any], list[str]] = _prefix_cache,
                    ) -> dict[str, list[str]]:
@@ -283,7 +283,7 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Sequence[dict[str
 
     ``engine`` is the 0.33 adapter (:class:`~.vllm_0_33.Vllm033Engine`);
     ``loop`` the replay loop's own state at the pause (clock, idle counters);
-    ``pending`` the part's events not yet run (:mod:`.events`);
+    ``pending`` what the replay has still to run (:class:`.events.Pending`);
     ``scheduler`` and ``prefix_cache``: those sections' writers (an earlier
     release's, :mod:`.release_0_29`, where its fields differ).
     Raises :class:`DigestError` on a value it cannot encode."""
@@ -316,7 +316,7 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Sequence[dict[str
 
 
 def state_digest(engine: Any, loop: dict[str, int],
-                 pending: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
+                 pending: Any = None) -> dict[str, str]:
     """Each section's hash, and ``total`` over them all."""
     sections = state_sections(engine, loop, pending)
     parts = {name: sha(lines) for name, lines in sections.items()}
