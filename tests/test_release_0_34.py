@@ -157,3 +157,17 @@ def test_0_34_splits_into_segments_with_the_sequential_bytes():
     assert res.engine.vllm == "0.34.0"
     assert dumps(res) == dumps(seq)
     assert report.matched == [1, 2]
+
+
+def test_offloading_replays_on_0_34_over_registered_cpu_tensors():
+    """0.34's offloading worker resolves device pointers from the KV caches it
+    registered: the replay registers small CPU tensors there (REGISTERS_KV_CACHES),
+    and the hybrid Mamba resend from the CPU tier matches its 0.34.0 goldens."""
+    proc = cli("check", "--engine", "vllm==0.34.0",
+               "fixtures/offloading/hybrid_mamba_resend_from_cpu.yaml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[:2] == [
+        "PASS fixtures/offloading/hybrid_mamba_resend_from_cpu.yaml: 3 request(s) match the "
+        "goldens for vllm==0.34.0 (engine vllm==0.34.0)",
+        "  store: 7 key(s) written, 11 key(s) fetched and 3 lookup(s) match the store "
+        "goldens for vllm==0.34.0"]

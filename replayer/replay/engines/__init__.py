@@ -77,8 +77,11 @@ def release_prefix(version: str, prefixes: Iterable[str]) -> str | None:
 # synchronous loads (sync_load_budget_bytes), which vLLM itself then refuses or
 # ignores. 0.29's differs in every module the replay touches (the connector,
 # its scheduler, worker and config, the CPU spec and manager) and has no hybrid
-# groups (get_offloading_group_ids is 0.33's); not covered yet.
-OFFLOADING_RELEASES: tuple[str, ...] = ("0.32", "0.33")
+# groups (get_offloading_group_ids is 0.33's); not covered yet. 0.34 too: its
+# worker resolves each transfer's device pointers from the KV caches it
+# registered, so there the replay registers small CPU tensors
+# (REGISTERS_KV_CACHES in connector/offloading_0_33.py).
+OFFLOADING_RELEASES: tuple[str, ...] = ("0.32", "0.33", "0.34")
 
 
 def check_connector(version: str, connector: str | None, label: str) -> None:

@@ -183,7 +183,7 @@ class StoreConnectorEngine(CoreEngine):
         if engine.connector == "offloading":      # vLLM's CPU offload: its own session
             from replayer.replay.engines.connector.offloading_0_33 import OffloadSession
 
-            self.session = OffloadSession(engine, store)
+            self.session = OffloadSession(engine, store, version)
         elif engine.connector:
             self.session = StoreSession(with_segment(store or StoreSpec("memory"), engine))
         # The pool the trace sized (the model worker reads it in the null executor's bytes).

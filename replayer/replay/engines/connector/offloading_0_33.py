@@ -51,6 +51,11 @@ ENGINE_ID = "prefix-replayer"
 # The one spec whose manager runs in the scheduler alone (TieringOffloadingSpec
 # composes tiers with their own threads and files: not replayed).
 SPECS = ("CPUOffloadingSpec",)
+# Releases whose worker resolves each transfer's device pointers from the KV
+# caches it registered (resolve_device_pointers, 0.34): there the replay registers
+# small CPU tensors through vLLM's own register_kv_caches, the transfer handler
+# still the seam; before, no byte layout is read and registering is skipped.
+REGISTERS_KV_CACHES = ("0.34",)
 # The store_ops ``result`` of a per-key lookup row, by vLLM's LookupResult.
 LOOKUP_CODES = {LookupResult.MISS: 0, LookupResult.HIT: 1, LookupResult.HIT_PENDING: 2,
                 LookupResult.RETRY: 3}
@@ -163,7 +168,9 @@ class OffloadSession:
 
     backend = "cpu"
 
-    def __init__(self, engine: EngineBlock, store: StoreSpec | None) -> None:
+    def __init__(self, engine: EngineBlock, store: StoreSpec | None,
+                 version: str = "0.33.0") -> None:
+        self.version = version
         if store is not None and store.kind != "memory":
             raise UnsupportedByEngine(
                 f"engine.connector offloading keeps its blocks in vLLM's own CPU tier: "
@@ -194,7 +201,16 @@ class OffloadSession:
         self.connector = OffloadingConnector(vllm_config, KVConnectorRole.WORKER,
                                              kv_cache_config)
         # The transfer-handler seam in place of spec.get_worker(kv_caches).
-        self.connector.connector_worker.worker = FinishedTransfers()
+        worker = self.connector.connector_worker
+        from replayer.replay.engines import release_prefix
+
+        if release_prefix(self.version, REGISTERS_KV_CACHES) is None:
+            worker.worker = FinishedTransfers()
+            return
+        from replayer.replay.engines.connector.mooncake_ranks import allocate_kv_caches
+
+        worker.spec.get_worker = lambda kv_caches: FinishedTransfers()
+        self.connector.register_kv_caches(allocate_kv_caches(kv_cache_config))
 
     def adopt_worker(self, connector: Any, boundary_of) -> None:
         """On the model worker: the connector vLLM's own worker created (its
