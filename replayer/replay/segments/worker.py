@@ -202,8 +202,10 @@ class SegmentWorker:
             digest, unreadable = self._digest(self._engine, loop, self._pending(run.clock)), None
         except DigestError as exc:
             digest, unreadable = None, str(exc)
-        except AttributeError as exc:       # a field this release lacks: never trusted
+        except (AttributeError, ImportError) as exc:   # what this release lacks: never trusted
             digest, unreadable = None, f"a field the digest reads is not there ({exc})"
+        except Exception as exc:  # noqa: BLE001 - a digest that fails proves nothing
+            digest, unreadable = None, f"the digest failed ({type(exc).__name__}: {exc})"
         counted = self._counters(self._engine)
         marks = self._engine.segment_marks()
         self._lap()                           # the digest's own time is not the replay's

@@ -1,4 +1,4 @@
-"""vLLM's OffloadingConnector's part of a state digest (``connector: offloading``, 0.33).
+"""vLLM's OffloadingConnector's part of a state digest (``connector: offloading``, 0.32-0.33).
 
 A CPU-offload replay carries past a boundary what vLLM's
 ``OffloadingConnectorScheduler`` keeps (each request's offload state: its
@@ -28,7 +28,9 @@ id: the number of free chunks is written), the LRU heap (a lazy heap over the
 ranks and the evictable set, both written: stale entries are skipped, so it
 evicts by (rank, key) over the evictable keys), wall-clock times and metrics,
 and configuration. Only the LRU policy is read: ARC's state is not, and its
-boundaries are never trusted.
+boundaries are never trusted. vLLM 0.32 keeps one number per key for its rank
+and has no request ranks, reset fences, synchronous loads or step lock; the
+fields it lacks are read as absent, and any other difference fails.
 """
 
 from __future__ import annotations
@@ -88,24 +90,32 @@ EXCLUDED: dict[str, dict[str, str]] = {
 
 
 def _empty_within_step(cs: Any) -> None:
+    """A step's own fields are empty at a pause (vLLM 0.32 has no synchronous
+    loads and no step lock: its scheduler lacks those three)."""
     for name in ("_current_batch_load_jobs", "_current_batch_sync_loads",
                  "_current_batch_jobs_to_flush", "_current_batch_allocated_block_ids"):
-        if getattr(cs, name):
+        if getattr(cs, name, None if name == "_current_batch_sync_loads" else 1):
             raise DigestError(f"offload.scheduler.{name}: not empty at a pause")
-    if cs._current_batch_sync_load_bytes or cs._step_region is not None:
+    if getattr(cs, "_current_batch_sync_load_bytes", 0) or getattr(cs, "_step_region", None):
         raise DigestError("offload.scheduler: a step's loads or lock still open at a pause")
+
+
+def _rank(r: Any) -> int:
+    """A key's rank: 0.33's (request rank, -position), 0.32's one number."""
+    return r[0] if isinstance(r, tuple) else r
 
 
 class _Ranks:
     """LRU ranks by their order among all the policy and live requests hold."""
 
     def __init__(self, policy: Any, contexts: list[Any]) -> None:
-        from vllm.v1.kv_offload.cpu.policies.lru import _RequestRank
+        from vllm.v1.kv_offload.cpu.policies import lru
 
-        self.kind = _RequestRank
-        seen = {r for r, _ in policy._ranks.values()} | {policy._next_rank}
+        # 0.33's requests share a rank across batches; 0.32's LRU has none.
+        self.kind = getattr(lru, "_RequestRank", None)
+        seen = {_rank(r) for r in policy._ranks.values()} | {policy._next_rank}
         for ctx in contexts:
-            st = ctx.get_state(_RequestRank)
+            st = None if self.kind is None else ctx.get_state(self.kind)
             if st is not None:
                 seen.add(st.rank)
         self.order = {r: i for i, r in enumerate(sorted(seen))}
@@ -121,7 +131,8 @@ def _policy(d: Any, policy: Any, ranks: _Ranks) -> list[str]:
     # By key: no decision walks the map in order (eviction follows the ranks).
     chunks = " ".join(f"{k.hex()}:{c.ref_cnt}" for k, c in sorted(policy.chunks.items()))
     by_rank = sorted(policy._ranks.items(), key=lambda kv: (kv[1], kv[0]))
-    recency = " ".join(f"{k.hex()}@{order[r]},{p}" for k, (r, p) in by_rank)
+    recency = " ".join(f"{k.hex()}@{order[_rank(r)]},{r[1] if isinstance(r, tuple) else ''}"
+                       for k, r in by_rank)
     evictable = " ".join(sorted(k.hex() for k in policy._evictable))
     return [f"lru chunks {chunks}", f"lru recency {recency} next={order[policy._next_rank]}",
             f"lru evictable {evictable}"]
@@ -132,7 +143,7 @@ def _context(d: Any, ctx: Any, path: str, manager: Any, policy: Any, ranks: _Ran
     keep in it with ranks by order and generations as current or not."""
     parts = [d.obj(ctx, path)]
     for kind, st in ctx._state.items():
-        if isinstance(st, ranks.kind):
+        if ranks.kind is not None and isinstance(st, ranks.kind):
             cur = st.owner is policy and st.cache_generation == policy._cache_generation
             parts.append(f"rank {ranks.order[st.rank]} current={cur}")
         elif type(st).__name__ == "_RequestCacheAccess":
@@ -162,6 +173,7 @@ def _requests(d: Any, cs: Any, blocks: Any, nxt: int, manager: Any, policy: Any,
 
 def _jobs(d: Any, cs: Any, blocks: Any, nxt: int) -> list[str]:
     stale = cs._stale_job_threshold
+    fence = getattr(cs, "_reset_fence", {})          # 0.33's: none on 0.32
     def labels(ids: Any) -> str:
         return "-" if ids is None else " ".join(d.block(blocks[i]) for i in ids)
 
@@ -173,8 +185,8 @@ def _jobs(d: Any, cs: Any, blocks: Any, nxt: int) -> list[str]:
     return ["jobs " + "; ".join(jobs), "pending " + " ".join(pending),
             # A completed job below the threshold (set to the next job at a reset)
             # is stale: only which jobs in flight lie below it counts.
-            f"fence {sorted((nxt - j, n) for j, n in cs._reset_fence.items())} stale "
-            f"{sorted(nxt - j for j in set(cs._jobs) | set(cs._reset_fence) if j < stale)}"]
+            f"fence {sorted((nxt - j, n) for j, n in fence.items())} stale "
+            f"{sorted(nxt - j for j in set(cs._jobs) | set(fence) if j < stale)}"]
 
 
 _JOB_IDS = frozenset(("deferred_fence_block_ids", "fenced_block_ids"))
