@@ -127,9 +127,26 @@ def _shrink(target, output, prop, case0, clients, max_probes, timeout, say) -> O
     prober.on_probe = on_probe
     say(f"shrink: {len(case0.requests)} request(s), {len(case0.events)} event(s), "
         f"{case0.tokens} token(s); keeping: {prop.describe()}; the input gives {first.detail}")
-    stopped = None
     engine_changes: dict[str, tuple] = {}
-    request = getattr(prop, "request", None)
+    stopped = _rounds(best, stage, first, getattr(prop, "request", None), prober, keep,
+                      engine_changes)
+    if prober.errors:
+        say(f"shrink: {prober.errors} probe(s) could not replay (counted as losing the "
+            f"property); the first: {prober.first_error}")
+    if stopped:
+        say(f"shrink: stopped ({stopped}); writing the best scenario found so far")
+    say(line().replace(stage[0], "done", 1))
+    return _write(target, output, prop, case0, best[0], clients, prober, engine_changes,
+                  stopped, say)
+
+
+def _rounds(best: list[Case], stage: list[str], first: Any, request: str | None,
+            prober: Prober, keep, engine_changes: dict[str, tuple]) -> str | None:
+    """Cut the requests that cannot matter, then up to three rounds of requests and
+    events, prompts and engine settings (``best[0]``: the smallest case so far,
+    ``stage[0]``: what is being cut, both for the progress line). Returns why it
+    stopped early (a limit, ^C), else None; ``engine_changes`` gets each setting's
+    first and last value."""
     protect = {request} if request else set()
     try:
         stage[0] = "requests that can matter"
@@ -147,17 +164,10 @@ def _shrink(target, output, prop, case0, clients, max_probes, timeout, say) -> O
             for k, (a, b) in changes.items():
                 engine_changes[k] = (engine_changes.get(k, (a,))[0], b)
     except LimitReached as exc:
-        stopped = str(exc)
+        return str(exc)
     except KeyboardInterrupt:
-        stopped = "interrupted"
-    if prober.errors:
-        say(f"shrink: {prober.errors} probe(s) could not replay (counted as losing the "
-            f"property); the first: {prober.first_error}")
-    if stopped:
-        say(f"shrink: stopped ({stopped}); writing the best scenario found so far")
-    say(line().replace(stage[0], "done", 1))
-    return _write(target, output, prop, case0, best[0], clients, prober, engine_changes,
-                  stopped, say)
+        return "interrupted"
+    return None
 
 
 def _ddmin(case: Case, protect: set[str], prober: Prober, keep) -> Case:
