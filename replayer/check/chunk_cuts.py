@@ -15,7 +15,10 @@ says so (docs/wrong-hits.md, "The hit-shaped reference"):
   to a JSON-lines file, and, where told, ends a request's prefill chunks at given
   positions: vLLM's scheduler decides every chunk as always, and its last clip of
   a chunk (``_reserve_prefill_lookahead``, the same in 0.32 and 0.33) is clipped
-  again so that no chunk runs past the request's next cut.
+  again so that no chunk runs past the request's next cut. It is a module-level
+  class (one per vLLM scheduler), its parameters kept here by config, so that
+  the config pickles at TP > 1 (vLLM's multiprocess executor sends it to its
+  rank processes, which never build a scheduler).
 
 Two more, for the time only (what is computed for the rows compared stays
 vLLM's own, bit for bit):
@@ -70,7 +73,8 @@ def install(log_path: str, cuts: dict[str, list[int]] | None, hits_only: bool,
     previous = torch.get_num_threads()
     torch._C.set_num_threads(1)
     undo = [_keep_heap(), _prompt_rows(hits_only, rows_from)]
-    sched.scheduler_cls = _scheduler_class(base, log_path, cuts or {}, previous, undo)
+    _SHAPES[id(vllm_config)] = (log_path, cuts or {}, previous, undo)
+    sched.scheduler_cls = _scheduler_class(base)
 
 
 # mallopt's parameters (malloc.h).
@@ -159,46 +163,87 @@ def _prompt_rows(hits_only: bool, rows_from: dict[str, int] | None = None,
     return lambda: setattr(runner, "_get_prompt_logprobs_dict", real)
 
 
-def _scheduler_class(base: type, log_path: str, cuts: dict[str, list[int]],
-                     threads: int, undo: list[Callable[[], None]]) -> type:
-    class ShapedScheduler(base):  # type: ignore[misc, valid-type]
-        """vLLM's scheduler, its chunks logged and cut where the recompute asks."""
+# What each engine's scheduler is to do, by ``id`` of its vLLM config: set by
+# install, taken by the scheduler when it is built. Kept here, not on the class or
+# the config, because vLLM's multiprocess executor pickles the config (its
+# ``scheduler_cls`` with it) for its rank processes, which never build a scheduler.
+_SHAPES: dict[int, tuple[str, dict[str, list[int]], int, list[Callable[[], None]]]] = {}
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._cut_log = open(log_path, "w", encoding="utf-8")
-            self._cut_step = 0
+# vLLM's own schedulers (module, class): each has its shaped subclass here by name
+# (made at first use, so this module imports no vLLM), pickled by reference.
+_BASES = {"ShapedScheduler": ("vllm.v1.core.sched.scheduler", "Scheduler"),
+          "ShapedAsyncScheduler": ("vllm.v1.core.sched.async_scheduler", "AsyncScheduler")}
 
-        def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int,
-                                       num_new_tokens: int) -> int:
-            n = super()._reserve_prefill_lookahead(request, num_computed_tokens,
-                                                   num_new_tokens)
-            at = cuts.get(request.request_id)
-            if at and n > 0:
-                i = bisect.bisect_right(at, num_computed_tokens)
-                if i < len(at) and num_computed_tokens + n > at[i]:
-                    n = at[i] - num_computed_tokens
-            return n
 
-        def schedule(self, *args: Any, **kwargs: Any) -> Any:
-            out = super().schedule(*args, **kwargs)
-            rows = [[rid, self.requests[rid].num_computed_tokens - n, n]
-                    for rid, n in out.num_scheduled_tokens.items()]
-            if rows:
-                self._cut_log.write(json.dumps([self._cut_step, rows]) + "\n")
-                self._cut_log.flush()
-            self._cut_step += 1
-            return out
+class _Shaping:
+    """vLLM's scheduler, its chunks logged and cut where the recompute asks (mixed
+    in before it)."""
 
-        def shutdown(self) -> None:
-            try:
-                super().shutdown()
-            finally:
-                self._cut_log.close()
-                import torch
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        shape = _SHAPES.pop(id(config), None)
+        if shape is None:
+            raise RuntimeError("check --recompute: the shaped scheduler was built for a "
+                               "vLLM config its hook was not installed into")
+        super().__init__(*args, **kwargs)
+        log_path, self._cuts, self._cut_threads, self._cut_undo = shape
+        self._cut_log = open(log_path, "w", encoding="utf-8")
+        self._cut_step = 0
 
-                torch._C.set_num_threads(threads)
-                for step in undo:
-                    step()
+    def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int,
+                                   num_new_tokens: int) -> int:
+        n = super()._reserve_prefill_lookahead(request, num_computed_tokens,  # type: ignore[misc]
+                                               num_new_tokens)
+        at = self._cuts.get(request.request_id)
+        if at and n > 0:
+            i = bisect.bisect_right(at, num_computed_tokens)
+            if i < len(at) and num_computed_tokens + n > at[i]:
+                n = at[i] - num_computed_tokens
+        return n
 
-    return ShapedScheduler
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        rows = [[rid, self.requests[rid].num_computed_tokens - n, n]  # type: ignore[attr-defined]
+                for rid, n in out.num_scheduled_tokens.items()]
+        if rows:
+            self._cut_log.write(json.dumps([self._cut_step, rows]) + "\n")
+            self._cut_log.flush()
+        self._cut_step += 1
+        return out
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()  # type: ignore[misc]
+        finally:
+            self._cut_log.close()
+            import torch
+
+            torch._C.set_num_threads(self._cut_threads)
+            for step in self._cut_undo:
+                step()
+
+
+def __getattr__(name: str) -> type:
+    """``ShapedScheduler`` / ``ShapedAsyncScheduler``, made at first use in any
+    process (a rank process unpickling the config finds it by name)."""
+    if name not in _BASES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in globals():
+        return globals()[name]
+    import importlib
+
+    module, base = _BASES[name]
+    cls = type(name, (_Shaping, getattr(importlib.import_module(module), base)),
+               {"__module__": __name__, "__qualname__": name, "__doc__": _Shaping.__doc__})
+    globals()[name] = cls
+    return cls
+
+
+def _scheduler_class(base: type) -> type:
+    """The shaped subclass of ``base``: the module-level one where ``base`` is vLLM's
+    own; another (the recorder's) gets one made here, which cannot cross into a
+    rank process (TP > 1) as a pickle."""
+    for name, where in _BASES.items():
+        if (base.__module__, base.__qualname__) == where:
+            return __getattr__(name)
+    return type("ShapedScheduler", (_Shaping, base), {"__doc__": _Shaping.__doc__})
