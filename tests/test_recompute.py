@@ -622,3 +622,107 @@ def test_a_companion_published_before_it_was_computed_is_a_wrong_hit(serve_venv,
     # (a bit-exact contract's threshold is 0: then counted in units of the dtype).
     threshold = verdict.get("threshold", report.get("threshold")) or report.get("unit")
     assert verdict["verdict"] == "wrong hit" and verdict["divergence"] >= 2 * threshold, verdict
+
+
+def test_a_whole_prompt_hit_is_held_to_its_output_rows():
+    """A hit of the whole prompt (vLLM recomputes its last token only) has no prompt
+    row after it: vLLM reports none (or an empty tail), the first output token's
+    distribution is what depends on the cache, so the output rows are compared and
+    a difference there is found; with no output token it fails closed, by name."""
+    import numpy as np
+
+    from replayer.check.divergence import DivergenceError, compare
+    from replayer.replay.engines.top_logprobs import _rows
+
+    empty = _rows(20, np.zeros((0, 5), np.int64), np.zeros((0, 5), np.float32), 5)
+    assert (empty.first, len(empty), empty.top_ids.shape) == (20, 0, (0, 4))
+    assert _rows(3, [], [], 5).top_logprobs.shape == (0, 4)
+    for hit_prompt in (None, "empty"):
+        hit, cold = _pair(hit=20)
+        hit.prompt_logprobs = None if hit_prompt is None else hit.prompt_logprobs
+        cold.prompt_logprobs = None                 # a reference with no row wanted
+        d = compare(hit, cold, threshold=1e-6)
+        assert (d.largest, d.first, d.prompt_positions, d.output_tokens) == (0.0, None, 0, 3)
+        cold.top_logprobs.top_logprobs[0, 1] -= 0.25
+        d = compare(hit, cold, threshold=1e-6)
+        assert (d.first.kind, d.first.position) == ("output", 0), d.first
+    hit, cold = _pair(hit=20, outputs=0)
+    hit.prompt_logprobs = cold.prompt_logprobs = None
+    with pytest.raises(DivergenceError, match="request 'r': no position to compare"):
+        compare(hit, cold, threshold=1.0)
+
+
+class _Base:
+    """A scheduler as chunk_cuts' shaped subclass sees it."""
+
+    def __init__(self, vllm_config, **kwargs):
+        from types import SimpleNamespace
+
+        self.requests = {"a": SimpleNamespace(num_computed_tokens=0)}
+        self.shut = False
+
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens, num_new_tokens):
+        return num_new_tokens
+
+    def schedule(self):
+        from types import SimpleNamespace
+
+        self.requests["a"].num_computed_tokens += 100
+        return SimpleNamespace(num_scheduled_tokens={"a": 100})
+
+    def shutdown(self):
+        self.shut = True
+
+
+def test_the_shaped_scheduler_pickles_by_reference_and_takes_its_config_s_cuts(tmp_path):
+    """vLLM's multiprocess executor pickles the config (its scheduler class with it)
+    for its rank processes at TP > 1: the shaped subclass of vLLM's scheduler is
+    found by name (a fresh process makes it again), its parameters stay in the
+    engine process, taken by the scheduler built for the config they were
+    installed into; one built for another config fails closed."""
+    import pickle
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from replayer.check import chunk_cuts
+
+    shaped = chunk_cuts._scheduler_class(Scheduler)
+    assert issubclass(shaped, Scheduler) and pickle.loads(pickle.dumps(shaped)) is shaped
+    data = pickle.dumps(SimpleNamespace(scheduler_cls=shaped))
+    del chunk_cuts.ShapedScheduler                  # as in a rank process
+    again = pickle.loads(data).scheduler_cls
+    assert again.__name__ == "ShapedScheduler" and issubclass(again, Scheduler)
+    assert again is chunk_cuts.ShapedScheduler is chunk_cuts._scheduler_class(Scheduler)
+
+    cls, config, undone = chunk_cuts._scheduler_class(_Base), object(), []
+    chunk_cuts._SHAPES[id(config)] = (str(tmp_path / "log"), {"a": [150]},
+                                      __import__("torch").get_num_threads(),
+                                      [lambda: undone.append(1)])
+    sched = cls(vllm_config=config)
+    assert id(config) not in chunk_cuts._SHAPES
+    assert sched._reserve_prefill_lookahead(SimpleNamespace(request_id="a"), 100, 512) == 50
+    sched.schedule()
+    sched.shutdown()
+    assert sched.shut and undone == [1]
+    assert (tmp_path / "log").read_text() == '[0, [["a", 0, 100]]]\n'
+    with pytest.raises(RuntimeError, match="not installed into"):
+        cls(vllm_config=object())
+
+
+def test_a_whole_prompt_hit_is_shaped_from_its_last_token():
+    """reference.shape_of: a hit of the whole prompt resumes one token before it
+    (vLLM recomputes the last prompt token), so its reference cuts there; bit-exact
+    where its writer's chunks ended there too, else named by the chunk that ran past."""
+    import numpy as np
+
+    from replayer.check.reference import Chunk, shape_of
+
+    tokens = {"w": np.arange(64), "h": np.arange(64)}
+    lens = {"w": 64, "h": 64}
+    own = [Chunk(5, 0, 63, 1)]
+    whole = shape_of("h", 64, tokens, lens, {}, {"w": [Chunk(0, 0, 0, 64)], "h": own}, 16)
+    assert whole.cuts == (63,) and whole.why == "a chunk that computed its prefix ran 0-64, " \
+        "past 63", whole
+    cut = [Chunk(0, 0, 0, 32), Chunk(1, 0, 32, 31), Chunk(2, 0, 63, 1)]
+    assert shape_of("h", 64, tokens, lens, {}, {"w": cut, "h": own}, 16).why is None

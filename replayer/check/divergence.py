@@ -171,6 +171,17 @@ def _slice(rows: TopLogprobs, start: int) -> TopLogprobs:
                        rows.top_ids[start:], rows.top_logprobs[start:])
 
 
+def _prompt_rows(hit: RequestOutcome, ref: RequestOutcome,
+                 start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The prompt rows from ``start`` on, compared; none where the hit holds the
+    whole prompt but its last token (row i is the distribution of token i + 1, so
+    no row follows it: vLLM computes none, and the first output token's
+    distribution is then what depends on the cache)."""
+    if start >= hit.num_prompt_tokens - 1:
+        return np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64), start
+    return _compare_rows(hit.id, "prompt", hit.prompt_logprobs, ref.prompt_logprobs, start)
+
+
 def compare(hit: RequestOutcome, ref: RequestOutcome, threshold: float,
             start: int | None = None) -> Divergence:
     """``hit`` (a request that resumed from a cached prefix) against ``ref`` (its cold
@@ -181,8 +192,7 @@ def compare(hit: RequestOutcome, ref: RequestOutcome, threshold: float,
     if ref.num_cached_tokens:
         raise DivergenceError(f"request {rid!r}: its recompute was served "
                               f"{ref.num_cached_tokens} cached tokens (it must run cold)")
-    parts = [("prompt", *_compare_rows(rid, "prompt", hit.prompt_logprobs,
-                                       ref.prompt_logprobs, start)),
+    parts = [("prompt", *_prompt_rows(hit, ref, start)),
              ("output", *_compare_rows(rid, "output", hit.top_logprobs, ref.top_logprobs, 0))]
     sizes = [len(d) for _, d, *_ in parts]
     if not sum(sizes):

@@ -152,6 +152,9 @@ def shape_of(hit: str, resume: int, tokens: dict[str, np.ndarray], prompt_len: d
     """The chunks that computed ``hit``'s first ``resume`` tokens (each hash unit's
     writer: the first request, by step and place in it, that computed the whole
     unit with the same tokens before the hit was scheduled), then its own."""
+    # A hit of the whole prompt: vLLM recomputes its last token (the first output
+    # token's logits need it), so the computation resumes one token before the hit.
+    resume = min(resume, prompt_len[hit] - 1)
     own = _prefill(log.get(hit, []), prompt_len[hit])
     if not own or own[0].start != resume:
         return Shape((), prompt_len[hit], "its own chunks do not start at its hit "
@@ -167,8 +170,8 @@ def shape_of(hit: str, resume: int, tokens: dict[str, np.ndarray], prompt_len: d
         if pre and shared >= unit_tokens:
             writers.append((pre, shared))
     used: set[Chunk] = set()
-    for u in range(resume // unit_tokens):
-        lo, hi = u * unit_tokens, (u + 1) * unit_tokens
+    for u in range(-(-resume // unit_tokens)):         # the last unit may end at resume
+        lo, hi = u * unit_tokens, min((u + 1) * unit_tokens, resume)
         best = None
         for pre, shared in writers:
             if shared < hi or pre[0].start > lo or pre[-1].start + pre[-1].n < hi:

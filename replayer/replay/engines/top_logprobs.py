@@ -27,9 +27,11 @@ import numpy as np
 from traces.model.outcome import TopLogprobs
 
 
-def _rows(first: int, ids: Any, logprobs: Any) -> TopLogprobs:
-    ids = np.asarray(ids, dtype=np.int64).reshape(len(ids), -1)
-    values = np.asarray(logprobs, dtype=np.float32).reshape(len(ids), -1)
+def _rows(first: int, ids: Any, logprobs: Any, width: int) -> TopLogprobs:
+    """Rows of ``width`` columns (the token, then the top K); none (a prompt cached
+    whole: vLLM computes no prompt row after such a hit) keeps its width."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1, width)
+    values = np.asarray(logprobs, dtype=np.float32).reshape(-1, width)
     return TopLogprobs(first=first, tokens=ids[:, 0].copy(), token_logprobs=values[:, 0].copy(),
                        top_ids=ids[:, 1:].copy(), top_logprobs=values[:, 1:].copy())
 
@@ -70,7 +72,7 @@ class TopLogprobCollector:
             self._prompt[rid] = None
             return
         self._prompt[rid] = _rows(first, tensors.logprob_token_ids[first:].numpy(),
-                                  tensors.logprobs[first:].numpy())
+                                  tensors.logprobs[first:].numpy(), self.k + 1)
 
     def finished(self, rid: str) -> tuple[TopLogprobs | None, TopLogprobs | None]:
         """``rid``'s (output rows, prompt rows), forgotten here."""
@@ -80,7 +82,7 @@ class TopLogprobCollector:
         outputs = None
         if parts:
             outputs = _rows(0, np.concatenate([ids for ids, _ in parts]),
-                            np.concatenate([lps for _, lps in parts]))
+                            np.concatenate([lps for _, lps in parts]), self.k + 1)
         return outputs, self._prompt.pop(rid, None)
 
     def forget(self, rid: str) -> None:
