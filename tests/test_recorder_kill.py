@@ -51,10 +51,18 @@ def test_kill_9_mid_recording_keeps_running_requests_and_replays(tmp_path):
         deadline = time.monotonic() + 300
         # Kill once the parts on disk show several requests still running (a
         # fixed delay could land in a lull when every arrival has finished).
-        while _running(out) < 5:
+        # The recorder is stopped (SIGSTOP) while its parts are read, so the
+        # state looked at is the state the kill leaves: read while it ran, a
+        # flush could land the running requests' outcomes between the look and
+        # the kill.
+        while True:
             if proc.poll() is not None:
                 raise AssertionError(f"recording ended before the kill: {proc.stderr.read()}")
             assert time.monotonic() < deadline, "no parts written within 300 s"
+            os.kill(proc.pid, signal.SIGSTOP)
+            if _running(out) >= 5:
+                break
+            os.kill(proc.pid, signal.SIGCONT)
             time.sleep(0.05)
     finally:
         os.kill(proc.pid, signal.SIGKILL)
