@@ -167,3 +167,41 @@ def test_against_recorded_needs_outcomes(tmp_path):
     proc = cli("check", "--against", "recorded", SCENARIOS / "reset_prefix_cache.yaml")
     assert proc.returncode == 2
     assert "has no outcomes table" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+class _Config:
+    """A stand-in vLLM config: what record_into reads, weakly referable as vLLM's is."""
+
+    def __init__(self, async_scheduling=False):
+        from types import SimpleNamespace
+
+        self.scheduler_config = SimpleNamespace(async_scheduling=async_scheduling)
+        self.kv_transfer_config = None
+
+
+def test_the_replays_recording_scheduler_pickles_by_reference(tmp_path):
+    """vLLM's multiprocess executor pickles the config (its scheduler class with it)
+    for its rank processes at TP > 1: the replay records through the module-level
+    classes ``vllm serve`` loads (found by name), the directory kept in the engine
+    process for the config it was installed into and taken once; another config,
+    or a later one at a freed config's id, records nothing."""
+    import pickle
+    import weakref
+    from types import SimpleNamespace
+
+    from replayer.recorder import scheduler as rs
+    from replayer.recorder.install import install_recorder
+
+    config, out = _Config(), str(tmp_path / "rec")
+    install_recorder(config, out)
+    cls = config.scheduler_config.scheduler_cls
+    assert cls is rs.RecordingScheduler and pickle.loads(pickle.dumps(cls)) is cls
+    again = pickle.loads(pickle.dumps(SimpleNamespace(scheduler_cls=cls))).scheduler_cls
+    assert again is rs.RecordingScheduler
+    assert rs.record_into(_Config(async_scheduling=True), out) is rs.RecordingAsyncScheduler
+    assert rs._recording_to(_Config()) is None
+    assert rs._recording_to(config) == out and rs._recording_to(config) is None
+    other = _Config()
+    rs._RECORD_TO[id(config)] = (weakref.ref(other), out)    # as if at a freed config's id
+    assert rs._recording_to(config) is None
+    rs._RECORD_TO.clear()

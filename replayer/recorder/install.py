@@ -31,10 +31,9 @@ def record_replay_into(out: str, vllm_config: Any, version: str, connector: bool
 
 
 def install_recorder(vllm_config: Any, out: str) -> None:
-    from replayer.recorder.scheduler import recording_scheduler_class
+    from replayer.recorder.scheduler import record_into
 
-    sched = vllm_config.scheduler_config
-    sched.scheduler_cls = recording_scheduler_class(str(out), bool(sched.async_scheduling))
+    vllm_config.scheduler_config.scheduler_cls = record_into(vllm_config, str(out))
     ktc = vllm_config.kv_transfer_config
     if ktc is not None:
         ktc.kv_connector_module_path = "replayer.recorder.connector"

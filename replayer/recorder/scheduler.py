@@ -5,7 +5,8 @@ Install with ``--scheduler-cls replayer.recorder.scheduler.RecordingScheduler``
 scheduling off for a scheduler class that is not an ``AsyncScheduler``).
 Every method calls vLLM's own first and only observes what it did; nothing
 the scheduler decides changes. Recording is on when the output directory is
-set (see :func:`.session.record_dir`); otherwise the class is vLLM's.
+set (see :func:`.session.record_dir`, or :func:`record_into` for the replay's
+own engines); otherwise the class is vLLM's.
 
 What becomes which table (the step clock is the number of ``schedule()``
 calls so far, the replayer's clock):
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -240,14 +242,37 @@ class SchedulerRecorder:
         self.session.close()
 
 
+# Where the replay's own engines record (:func:`record_into`), by ``id`` of their
+# vLLM config (with a weak reference, so a later config at a freed id is not
+# taken for it): taken by the scheduler built for that config. Kept here, not
+# on a class made per call, because vLLM's multiprocess executor pickles the
+# config (its ``scheduler_cls`` with it) for its rank processes at TP > 1, and a
+# class pickles by its module-level name.
+_RECORD_TO: dict[int, tuple[weakref.ref[Any], str]] = {}
+
+
+def record_into(vllm_config: Any, out: str) -> type:
+    """The scheduler class that records the engine built for ``vllm_config`` into
+    ``out`` whatever the environment says (the CPU replay): one of the two
+    module-level classes, ``out`` kept here for that config."""
+    _RECORD_TO[id(vllm_config)] = (weakref.ref(vllm_config), str(out))
+    async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+    return RecordingAsyncScheduler if async_scheduling else RecordingScheduler
+
+
+def _recording_to(vllm_config: Any) -> str | None:
+    """Where :func:`record_into` said ``vllm_config``'s engine records, once."""
+    ref, out = _RECORD_TO.pop(id(vllm_config), (None, None))
+    return out if ref is not None and ref() is vllm_config else None
+
+
 class _Recording:
     """The hooks, shared by both scheduler classes (each calls vLLM's method first)."""
 
     _recorder: SchedulerRecorder | None = None
-    record_to: str | None = None      # set on a subclass to record without env or config
 
     def _start_recording(self) -> None:
-        out = self.record_to or record_dir(self.vllm_config)
+        out = _recording_to(self.vllm_config) or record_dir(self.vllm_config)
         if out:
             self._recorder = SchedulerRecorder(out, self.vllm_config, self.kv_cache_config)
             self._recorder.watch_kv_events(self)
@@ -314,9 +339,3 @@ class RecordingAsyncScheduler(_Recording, AsyncScheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._start_recording()
-
-
-def recording_scheduler_class(out: str, async_scheduling: bool = False) -> type:
-    """A subclass that records to ``out`` whatever the environment says (the CPU replay)."""
-    base = RecordingAsyncScheduler if async_scheduling else RecordingScheduler
-    return type(base.__name__, (base,), {"record_to": str(out), "__module__": __name__})
