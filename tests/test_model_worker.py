@@ -31,7 +31,7 @@ from replayer.compare.workers import worker_differences
 from replayer.replay.engines import EngineError, UnsupportedByEngine, check_supported
 from replayer.replay.engines.sources.specs import parse_spec, resolve
 from replayer.replay.execution.clients import cold_client
-from replayer.replay.engines.worker.architectures import llama4
+from replayer.replay.engines.worker.architectures import llama4, mimo_v2
 from replayer.replay.engines.worker.models import refusal
 from traces import load_target, read_trace
 from traces.model.limits import MAX_GPU_BLOCKS
@@ -119,7 +119,9 @@ def test_the_model_worker_runs_most_hybrid_and_live_fixtures():
             "traces/conversation_500",
             # ... and MTP (the target's own layers) and DFlash drafts (architectures/drafts.py).
             "scenarios/mtp_one_module_lookahead.yaml", "scenarios/mtp_multi_module_drop.yaml",
-            "scenarios/dflash_no_drop.yaml"} <= names
+            "scenarios/dflash_no_drop.yaml",
+            # ... and groups of two block sizes (architectures/mimo_v2.py).
+            "scenarios/eagle_draft_group.yaml"} <= names
 
 
 def test_the_twins_left_to_the_benchmark_are_runnable():
@@ -155,9 +157,9 @@ def test_fixtures_the_model_worker_cannot_run_say_why(path):
 
 
 def test_a_refused_fixture_is_one_line_and_exit_2(serve_venv):
-    proc = cli_here("run", FIXTURES / "scenarios" / "eagle_draft_group.yaml",
+    proc = cli_here("run", FIXTURES / "scenarios" / "mtp_draft_group.yaml",
                     "--engine", serve_venv, "--worker", "model")
-    assert_bad_input(proc, "block sizes [16, 32]", "--worker null")
+    assert_bad_input(proc, "MiMoV2MTPLayer", "full_attention group 0", "--worker null")
 
 
 @pytest.mark.parametrize("command", [
@@ -169,10 +171,10 @@ def test_sweep_and_shrink_take_the_model_worker_and_its_refusals(serve_venv, com
     runs); a geometry no tiny model takes is one line, exit 2, before any engine."""
     name, *rest = command
     extra = ["--engine", serve_venv]
-    proc = cli_here(name, FIXTURES / "scenarios" / "eagle_draft_group.yaml",
+    proc = cli_here(name, FIXTURES / "scenarios" / "mtp_draft_group.yaml",
                     *[str(tmp_path / a) if a == "out.yaml" else a for a in rest],
                     *extra, "--worker", "model")
-    assert_bad_input(proc, "block sizes [16, 32]")
+    assert_bad_input(proc, "MiMoV2MTPLayer")
 
 
 def test_a_store_pool_sized_in_the_null_executors_bytes_is_scaled_for_one_group():
@@ -240,6 +242,25 @@ def test_chunked_local_attention_is_a_tiny_llama4():
     config, dtype = llama4.config(["chunked_local"], 64, {"vocab_size": 32000})
     assert config["architectures"] == ["Llama4ForCausalLM"] and dtype == "float32"
     assert config["no_rope_layers"] == [1] and config["attention_chunk_size"] == 64
+
+
+def test_groups_of_two_block_sizes_are_a_tiny_mimo_v2_its_eagle_head_in_the_traces_group(
+        workers):
+    # eagle_draft_group (the head in the 16-token window group) is held by the
+    # agreement test above; here the head in the 32-token full-attention group.
+    # vLLM raises the global layers' block to 32 (their 1 KV head beside the
+    # window's 2, mimo_v2.kv_heads) and the head's layer joins the trace's group.
+    trace = with_sets(load_target(FIXTURES / "scenarios" / "eagle_draft_group.yaml"),
+                      ["engine.speculative.draft_group=0"])
+    assert refusal(trace.engine) is None
+    assert mimo_v2.kv_heads(trace.engine) == {"full_attention": 1, "sliding_window": 2}
+    null, model = workers["null"](trace), workers["model"](trace)
+    assert worker_differences(null, model) == []
+    # A head vLLM had put in the other group fails the build, in one line.
+    with pytest.raises(UnsupportedByEngine,
+                       match="in KV-cache group 1, the trace has it in group 0"):
+        mimo_v2.check_draft_group(trace.engine, [["model.layers.0.self_attn.attn"],
+                                                 ["model.layers.3.self_attn.attn"]], "serve")
 
 
 def test_model_worker_needs_a_vllm_that_runs_a_model_here():

@@ -30,7 +30,7 @@ from replayer.replay.engines.base import EngineError
 from replayer.replay.engines.core_driver import _BUILDING
 from replayer.replay.engines.kv_kinds import spec_kind
 from replayer.replay.engines.worker import attention
-from replayer.replay.engines.worker.architectures import kimi_linear
+from replayer.replay.engines.worker.architectures import kimi_linear, mimo_v2
 from replayer.replay.engines.worker.architectures import nemotron_h
 from replayer.replay.engines.worker.forced import forced_for
 from replayer.replay.engines.worker.models import (
@@ -76,7 +76,7 @@ def model_args(engine: EngineBlock, label: str) -> ModelArgs:
     from replayer.replay.engines.sources.releases import cache_dir
 
     models = worker_models(engine, label, cache_dir() / "models")
-    attention.select(engine.kv_groups[0].block_size)
+    attention.select(engine.block_size)          # the cache's, as the CPU platform checks it
     if engine.speculative is not None and engine.has_mamba:
         from replayer.replay.engines.worker.kernels import interpret_kernels, pack_index_args
 
@@ -96,6 +96,8 @@ def check_built(scheduler: Any, engine: EngineBlock, label: str) -> None:
     groups = scheduler.kv_cache_config.kv_cache_groups
     check_groups(engine, [(spec_kind(g.kv_cache_spec), g.kv_cache_spec.block_size)
                           for g in groups], label)
+    if engine.speculative is not None and mimo_v2.serves(engine):
+        mimo_v2.check_draft_group(engine, [list(g.layer_names) for g in groups], label)
     check_checkpoints(engine, [getattr(g.kv_cache_spec, "prefill_checkpoint_alignment", None)
                                if getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0)
                                else None for g in groups

@@ -18,6 +18,9 @@ from it. Which architecture serves which kinds:
   (Mamba2 and windowed attention, :mod:`.architectures.nemotron_h`), fp32;
 * chunked local attention, alone or beside full attention: Llama 4 (its RoPE
   layers chunked, its NoPE layers global, :mod:`.architectures.llama4`), fp32;
+* full attention beside a sliding window in groups of two block sizes:
+  MiMo-V2-Flash (its windowed layers of other KV heads than its global ones,
+  :mod:`.architectures.mimo_v2`), fp32;
 * the EAGLE draft: a one-layer Llama EAGLE head of the target's width.
 
 A geometry the CPU worker cannot take is refused in one line naming why
@@ -45,6 +48,7 @@ from replayer.replay.engines.base import UnsupportedByEngine
 from replayer.replay.engines.worker.architectures import llama4, nemotron_h
 from replayer.replay.engines.worker.architectures import drafts
 from replayer.replay.engines.worker.architectures import kimi_linear
+from replayer.replay.engines.worker.architectures import mimo_v2
 from traces.model.engine_spec import EngineBlock
 
 # Qwen3-Next's gated DeltaNet on vLLM's CPU kernels (bf16 only: "CPU GDN
@@ -122,6 +126,8 @@ def refusal(engine: EngineBlock) -> str | None:
                 + DCP_ON_CPU)
     if llama4.serves(set(kinds)):
         return llama4.refusal(engine)
+    if mimo_v2.serves(engine):
+        return mimo_v2.refusal(engine)
     other = sorted(set(kinds) - {"full_attention", "mamba", "sliding_window"})
     if other:
         return (f"KV-cache group kind {other[0]} (tiny models here have full "
@@ -143,9 +149,9 @@ def refusal(engine: EngineBlock) -> str | None:
     if len(sizes) > 1:
         return (f"KV-cache groups with block sizes {sorted(sizes)} (vLLM makes them "
                 "from layers of different KV bytes a token, raising the smaller "
-                "page's block size: v1/core/kv_cache_utils.py unify_kv_cache_spec_page_size, "
-                "e.g. MiMo-V2-Flash's sliding-window layers of other KV heads than its "
-                "global ones; every tiny model here has one KV shape)")
+                "page's block size: v1/core/kv_cache_utils.py unify_kv_cache_spec_page_size; "
+                "the one tiny model here of two KV shapes, MiMo-V2, has full attention "
+                "beside a sliding window)")
     pool = engine.mooncake_global_segment_size
     if engine.connector and pool is not None and pool < STORE_POOL_FLOOR and (
             len(engine.kv_groups) > 1 or engine.tensor_parallel_size > 1):
@@ -209,6 +215,8 @@ def target_config(engine: EngineBlock) -> tuple[dict[str, Any], str]:
         chunk = next(g.attention_chunk_size for g in engine.kv_groups
                      if g.kind == "chunked_local")
         return llama4.config(layers, chunk, common)
+    if mimo_v2.serves(engine):
+        return mimo_v2.config(engine, layers, common)
     if "mamba" in layers and "full_attention" not in layers:
         window = next(g.sliding_window for g in engine.kv_groups
                       if g.kind == "sliding_window")
@@ -308,6 +316,8 @@ def worker_models(engine: EngineBlock, label: str, root: Path) -> WorkerModels:
         draft = path
     elif spec is not None and spec.method == "dflash":
         draft = _write_once(root, drafts.dflash_config(target, spec.num_speculative_tokens))
+    elif spec is not None and target["architectures"] == [mimo_v2.ARCHITECTURE]:
+        draft = _write_once(root, mimo_v2.draft_config(target, engine))
     elif spec is not None:
         draft = _write_once(root, draft_config(target))
     return WorkerModels(path, draft, dtype, target["architectures"][0])

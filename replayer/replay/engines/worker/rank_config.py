@@ -18,7 +18,7 @@ RANK_WORKER = "replayer.replay.engines.worker.rank_worker.RankWorker"
 def rank_seams(engine: Any, label: str) -> dict[str, Any]:
     """What every rank process installs (:func:`.rank_worker.install_process_seams`)."""
     kinds = {g.kind for g in engine.kv_groups}
-    return {"block_size": engine.kv_groups[0].block_size, "label": label,
+    return {"block_size": engine.block_size, "label": label,
             "interpret_kernels": bool(engine.speculative is not None and engine.has_mamba),
             # KDA beside MLA: the FLA KDA kernels' interpreted copy, made in each rank
             "kda_mla": "mla" in kinds and "mamba" in kinds,
