@@ -13,8 +13,10 @@ sequences) on two traces:
   prefixes (documents picked by a Zipf law, conversations that come back with
   their whole history).
 
-Each side runs as a child process (``os.wait4``: wall seconds and the child's
-peak RSS): aisimulate's ``predict --capture-per-request`` and this project's
+Each side runs as a child process, measured with every process under it
+(:mod:`process_tree`: wall until the child exits; CPU seconds of the whole tree,
+each process reaped with ``wait4``, this one their subreaper; peak MB the tree's
+summed PSS sampled every 0.1 s, at least any one process's peak RSS): aisimulate's ``predict --capture-per-request`` and this project's
 ``replayer run TRACE --json FILE`` (the trace imported beforehand, its import
 timed apart). Then every request's hit is compared (theirs
 ``first_admission_reused_input_tokens``, set once like vLLM's
@@ -50,7 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-import public_trace  # noqa: E402  (benchmarks/, first on sys.path when run as a script)
+import process_tree  # noqa: E402  (benchmarks/, first on sys.path when run as a script)
+import public_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STEP_MS = 20
@@ -116,20 +119,17 @@ def long_prefix_trace(path: Path, n: int = 4000, seed: int = 44) -> dict:
 # -- running each side -----------------------------------------------------
 
 def timed_child(argv: list[str], env: dict | None = None) -> dict:
-    """Run ``argv`` to the end: wall seconds, CPU seconds and peak RSS (MB) of the
-    child (``os.wait4``); a failing child stops the benchmark with its stderr."""
+    """Run ``argv`` to the end: wall seconds, CPU seconds and peak memory (MB) of the
+    child and every process under it (:func:`process_tree.run_tree`: CPU reaped
+    from each, peak the tree's summed PSS sampled, at least any one's peak RSS); a
+    failing child stops the benchmark with its stderr."""
     err = tempfile.TemporaryFile()
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
-    _, status, use = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
+    code, figures = process_tree.run_tree(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    if code:
         err.seek(0)
-        sys.exit(f"{' '.join(argv[:3])} ... failed ({proc.returncode}):\n"
+        sys.exit(f"{' '.join(argv[:3])} ... failed ({code}):\n"
                  f"{err.read().decode(errors='replace')[-3000:]}")
-    return {"wall_s": wall, "cpu_s": use.ru_utime + use.ru_stime,
-            "peak_rss_mb": use.ru_maxrss / 1024}
+    return figures
 
 
 def aisim_config(trace: Path, context_length: int) -> dict:
@@ -323,9 +323,10 @@ def main() -> None:
     exe = find_aisimulate(args.aisimulate)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="replayer-peers-"))
     todo = [args.trace_only] if args.trace_only else ["conversation", "long-prefix"]
-    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores; each side a child process, "
-          "wall and peak RSS its own; 'import s' is this project's import of the Mooncake "
-          "file, outside its wall", flush=True)
+    print(f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores; each side a child process "
+          "with every process under it (CPU all of theirs, MB their summed PSS at its peak, "
+          "sampled, at least any one's peak RSS); 'import s' is this project's import of the "
+          "Mooncake file, outside its wall", flush=True)
     print(f"{'trace':<13} {'requests':>8} {'theirs s':>9} {'ours s':>8} {'import s':>8} "
           f"{'ratio':>7} {'their cpu':>9} {'our cpu':>8} {'ratio':>7} {'theirs MB':>9} {'ours MB':>8} {'equal':>6} {'equal %':>7} "
           f"{'cached':>8}", flush=True)
@@ -337,8 +338,8 @@ def main() -> None:
             (work / name).mkdir(parents=True, exist_ok=True)
             long_prefix_trace(source, args.requests)
         print_row(side_by_side(name, source, exe, work / name, limit))
-    print("ratio: ours / theirs (wall, then CPU seconds: user + system of the child and its "
-          "children); cached: their cached tokens / ours", flush=True)
+    print("ratio: ours / theirs (wall, then CPU seconds: user + system of the child and "
+          "every process under it); cached: their cached tokens / ours", flush=True)
 
 
 if __name__ == "__main__":
