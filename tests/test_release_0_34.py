@@ -17,6 +17,7 @@ import json
 import pytest
 
 from conftest import cli
+from helpers_segments import release_split
 
 pytestmark = pytest.mark.slow       # one engine process of 0.34 (~10 s of vLLM imports)
 
@@ -138,22 +139,8 @@ def test_0_34_splits_into_segments_with_the_sequential_bytes():
     live_eagle at K 3 and a 50-step warm-up in one 0.34 process, both boundaries
     proven as on 0.31.0 (tests/test_segments.py), the bytes the sequential replay's."""
     from replayer.check.output import dumps
-    from replayer.replay.engines.sources.specs import resolve
-    from replayer.replay.execution.clients import replay_on
-    from replayer.replay.segments import replay_segments
-    from replayer.replay.segments.hosts import make_host
-    from traces import load_target
 
-    from conftest import TRACES
-
-    trace = load_target(TRACES / "live_eagle")
-    engine = resolve("vllm==0.34.0")
-    seq = replay_on(trace, engine)
-    host = make_host(None, 1, 3, engine=engine)
-    try:
-        res, report = replay_segments(trace, host, 3, 50, spec=engine)
-    finally:
-        host.close()
+    res, report, seq, _ = release_split("vllm==0.34.0")
     assert res.engine.vllm == "0.34.0"
     assert dumps(res) == dumps(seq)
     assert report.matched == [1, 2]

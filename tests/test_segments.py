@@ -16,6 +16,7 @@ import json
 import pytest
 
 from conftest import MOONCAKE_TRACE, REPO, TRACES, cli, cli_here
+from helpers_segments import release_split
 from replayer.check.output import dumps
 from replayer.replay.segments import plan_segments, replay_segments, warm_up_steps, why_serial
 from replayer.replay.segments.hosts import InProcessHost
@@ -94,19 +95,8 @@ def test_a_release_splits_with_the_sequential_bytes():
     of their own that imports it (one, --jobs 1), its boundaries proven by the
     0.29-0.32 digest; both match at a 50-step warm-up and the bytes are the
     sequential replay's on that release."""
-    from replayer.replay.engines.sources.specs import resolve
-    from replayer.replay.execution.clients import replay_on
-    from replayer.replay.segments.hosts import make_host
-
-    trace = _trace("live_eagle")
-    engine = resolve("vllm==0.31.0")
-    seq = replay_on(trace, engine)
-    host = make_host(None, 1, 3, engine=engine)
-    try:
-        res, report = replay_segments(trace, host, 3, 50, spec=engine)
-    finally:
-        host.close()
-    assert res.engine.vllm == "0.31.0" and host.kind == "release processes"
+    res, report, seq, kind = release_split("vllm==0.31.0")
+    assert res.engine.vllm == "0.31.0" and kind == "release processes"
     _assert_same(seq, res)
     assert report.matched == [1, 2]
 

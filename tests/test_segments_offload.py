@@ -1,6 +1,6 @@
 """Time segments over vLLM's OffloadingConnector (CPU offload): the sequential bytes.
 
-The trace is made here: tests/test_segments_store.py's waves (a new prompt,
+The trace: tests/helpers_segments.py's waves (a new prompt,
 the one before resent, a reset, its own resend, the prompt of three waves
 ago resent, a reset) over a CPU tier of ten prompts (LRU), and in the last
 wave a resend of the first prompt, which only a tier that kept it serves.
@@ -10,49 +10,16 @@ holds the tier's keys, reference counts, free chunks and LRU order.
 
 from __future__ import annotations
 
-import pytest
-
+from helpers_segments import WAVES, waves_fixture
 from replayer.check.output import dumps
 from replayer.replay.segments import replay_segments, why_serial
 from replayer.replay.segments.hosts import InProcessHost
-from traces import load_target
 
-WAVES = 8
 CPU_BYTES = 10 * 16 * 4096          # ten prompts of 16 one-page chunks
 
-
-def _scenario(tmp_path):
-    reqs, events = [], []
-
-    def req(rid, at, stream):
-        reqs.append(f"  - {{id: {rid}, arrival_step: {at}, output_len: 2, "
-                    f"prompt: [{{stream: s{stream}, len: 256}}]}}")
-    for j in range(WAVES):
-        t = 40 * j
-        req(f"n{j}", t, j)
-        if j >= 1:
-            req(f"q{j}", t + 8, j - 1)
-        events.append(f"  - {{at_step: {t + 18}, action: reset_prefix_cache}}")
-        req(f"r{j}", t + 20, j)
-        if j >= 3:
-            req(f"o{j}", t + 28, j - 3)
-        events.append(f"  - {{at_step: {t + 38}, action: reset_prefix_cache}}")
-    req("z7", 40 * WAVES - 8, 0)
-    path = tmp_path / "offload_waves.yaml"
-    path.write_text("engine:\n  block_size: 16\n  num_gpu_blocks: 64\n"
-                    "  max_num_batched_tokens: 2048\n  max_num_seqs: 4\n"
-                    "  connector: offloading\n  connector_config:\n"
-                    f"    cpu_bytes_to_use: {CPU_BYTES}\n"
-                    "requests:\n" + "\n".join(reqs) + "\nevents:\n" + "\n".join(events) + "\n")
-    return load_target(path)
-
-
-@pytest.fixture(scope="module")
-def waves(tmp_path_factory):
-    from replayer.replay.execution.clients import replay_on
-
-    trace = _scenario(tmp_path_factory.mktemp("offload"))
-    return trace, replay_on(trace)
+waves = waves_fixture("offload", "offload_waves.yaml",
+                      "  connector: offloading\n  connector_config:\n"
+                      f"    cpu_bytes_to_use: {CPU_BYTES}\n", last=("z7", 40 * WAVES - 8, 0))
 
 
 def test_an_offloading_trace_splits_with_the_sequential_bytes(waves, monkeypatch):

@@ -1,9 +1,9 @@
 """Time segments over a MooncakeStore trace, and with KV-cache events: the sequential bytes.
 
-The trace is made here: waves of requests 40 steps apart over a memory store
-that holds three prompts (it evicts its oldest keys first). Each wave sends a
-new prompt, resends the one before (served from the store), resends its own
-after the GPU cache is reset, and resends the prompt of three waves ago
+The trace (tests/helpers_segments.py): waves of requests 40 steps apart over a
+memory store that holds three prompts (it evicts its oldest keys first). Each
+wave sends a new prompt, resends the one before (served from the store),
+resends its own after the GPU cache is reset, and resends the prompt of three waves ago
 (evicted from the store by then: put again, its keys named by the request that
 first held them, before any later segment's warm-up). A reset ends each
 wave, so at a boundary the GPU side is empty on both paths and only the store
@@ -12,46 +12,14 @@ can tell them apart.
 
 from __future__ import annotations
 
-import pytest
-
+from helpers_segments import waves_fixture
 from replayer.check.output import dumps
 from replayer.replay.segments import replay_segments, why_serial
 from replayer.replay.segments.hosts import InProcessHost
 from traces import load_target
 
-WAVES = 8
-
-
-def _scenario(tmp_path):
-    reqs, events = [], []
-    for j in range(WAVES):
-        t = 40 * j
-
-        def req(rid, at, stream):
-            reqs.append(f"  - {{id: {rid}, arrival_step: {at}, output_len: 2, "
-                        f"prompt: [{{stream: s{stream}, len: 256}}]}}")
-        req(f"n{j}", t, j)
-        if j >= 1:
-            req(f"q{j}", t + 8, j - 1)
-        events.append(f"  - {{at_step: {t + 18}, action: reset_prefix_cache}}")
-        req(f"r{j}", t + 20, j)
-        if j >= 3:
-            req(f"o{j}", t + 28, j - 3)
-        events.append(f"  - {{at_step: {t + 38}, action: reset_prefix_cache}}")
-    path = tmp_path / "store_waves.yaml"
-    path.write_text("engine:\n  block_size: 16\n  num_gpu_blocks: 64\n"
-                    "  max_num_batched_tokens: 2048\n  max_num_seqs: 4\n"
-                    "  connector: mooncake_store\n  mooncake_global_segment_size: 12KB\n"
-                    "requests:\n" + "\n".join(reqs) + "\nevents:\n" + "\n".join(events) + "\n")
-    return load_target(path)
-
-
-@pytest.fixture(scope="module")
-def waves(tmp_path_factory):
-    from replayer.replay.execution.clients import replay_on
-
-    trace = _scenario(tmp_path_factory.mktemp("waves"))
-    return trace, replay_on(trace)
+waves = waves_fixture("waves", "store_waves.yaml",
+                      "  connector: mooncake_store\n  mooncake_global_segment_size: 12KB\n")
 
 
 def test_a_store_trace_splits_with_the_sequential_bytes(waves):
