@@ -10,7 +10,10 @@ from pathlib import Path
 
 import polars as pl
 
-from conftest import STORE_SCENARIOS, cli
+from conftest import FIXTURES, STORE_SCENARIOS, cli
+
+from traces import read_trace
+from traces.io.parts import RECORDED_COLUMNS
 
 
 def test_store_ops_table_holds_every_operation_in_order(tmp_path):
@@ -27,6 +30,7 @@ def test_store_ops_table_holds_every_operation_in_order(tmp_path):
     ops = pl.read_parquet(ops_file)
     out = json.loads(json_file.read_text())
     assert ops["order"].to_list() == list(range(ops.height))
+    assert ops["instance"].null_count() == ops.height      # one engine, not a pair
     assert ops["step"].to_list() == sorted(ops["step"].to_list())
     assert set(ops["op"].unique().to_list()) >= {"lookup", "exists", "put", "get"}
     puts = ops.filter((pl.col("op") == "put") & (pl.col("result") >= 0))
@@ -48,6 +52,14 @@ def test_store_ops_needs_a_connector(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--store-ops needs a trace with engine.connector" in lines[0]
     assert not (tmp_path / "ops.parquet").exists()
+
+
+def test_store_ops_without_the_instance_column_still_read():
+    # A recording holds one engine: no instance column, as no table written before
+    # the column has; it reads.
+    trace = read_trace(FIXTURES / "traces" / "live_store_llama")
+    assert trace.store_ops.num_rows > 0 and "instance" not in trace.store_ops.column_names
+    assert "instance" not in RECORDED_COLUMNS["store_ops"]
 
 
 def test_a_deep_tmpdir_keeps_the_lookup_socket_path_short(tmp_path, monkeypatch):
@@ -112,6 +124,11 @@ def test_a_pd_pair_decodes_what_its_prefill_instance_wrote(tmp_path):
     first_put = dict(zip(puts["key"].to_list(), puts["order"].to_list()))
     assert gets.height > 0
     assert all(first_put.get(k, 1 << 62) < o for k, o in zip(gets["key"], gets["order"]))
+    # Each row names the instance whose store client made it: the producer puts, the
+    # consumer loads; both look up (an evict, the shared pool's own, would be null).
+    assert set(puts["instance"]) == {"prefill"} and set(gets["instance"]) == {"decode"}
+    assert ops["instance"].null_count() == 0
+    assert set(ops.filter(pl.col("op") == "lookup")["instance"]) == {"prefill", "decode"}
     # The prefill instance as a consumer too: nothing is written, nothing read.
     silent = tmp_path / "silent.yaml"
     silent.write_text(fixture.read_text().replace("kv_role: kv_producer",

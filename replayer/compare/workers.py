@@ -26,14 +26,16 @@ def _request_fields(r: Any) -> dict[str, Any]:
 
 def _store_op(row: dict[str, Any]) -> tuple[Any, ...]:
     """A store operation as both workers must agree on it: step, rank, op, key,
-    result and the request whose load read it. A successful get answers the
+    result, the request whose load read it and (a prefill/decode pair) the
+    instance whose client made it. A successful get answers the
     bytes it read, which are the page sizes of each worker's KV cache (the null
     executor's placeholder pages, the tiny model's layers), so a get compares by
     success, or by its error code; ``bytes`` differs for the same reason."""
     result = row["result"]
     if row["op"] == "get" and result is not None and result >= 0:
         result = "read"
-    return row["step"], row["rank"], row["op"], row["key"], result, row.get("loader")
+    return (row["step"], row["rank"], row["op"], row["key"], result, row.get("loader"),
+            row.get("instance"))
 
 
 def worker_differences(null: ReplayResult, model: ReplayResult) -> list[str]:

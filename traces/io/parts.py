@@ -76,7 +76,10 @@ _SEQUENCES = (list, tuple, type({}.keys()), type({}.values()))
 RECORDED_COLUMNS = {"requests": ("id", "arrival_step", "num_prompt_tokens", "prompt_tokens",
                                  "output_len", "cache_salt", "lora_name", "priority",
                                  "arrival_order", "external_id", "skip_reading_prefix_cache",
-                                 "mm_inputs")}
+                                 "mm_inputs"),
+                    # A recorder records one engine: no prefill/decode instance to name.
+                    "store_ops": ("order", "step", "rank", "op", "key", "group", "boundary",
+                                  "bytes", "result", "request", "loader")}
 
 
 def pack_tokens(tokens) -> bytes:

@@ -162,6 +162,11 @@ STORE_OPS = Table("store_ops", (
            doc="first request whose prompt has this key's prefix"),
     Column("loader", pa.string(), required=False, nullable=True,
            doc="get: the request whose load fetched the key"),
+    Column("instance", pa.string(), required=False, nullable=True,
+           doc="a prefill/decode pair (engine.prefill_instance): prefill or decode, the "
+               "instance whose store client made the op; null for one engine, and for an "
+               "evict (the pool both instances share makes it); tables written before "
+               "it read as all null"),
 ))
 
 # Golden expectations share the outcome columns; kept apart from recorded

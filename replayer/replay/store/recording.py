@@ -123,6 +123,9 @@ class RecordingStore:
         self._inner = inner
         self.label = label
         self.rank = rank
+        # A prefill/decode pair's: the instance whose client this is (prefill or
+        # decode, named by connector/pd_pair.py), written in each row but an evict.
+        self.instance: str | None = None
         self.step = 0
         self.phase = "exists"          # "lookup" while the scheduler's lookup runs
         self.ops = StoreOps() if ops is None else ops
@@ -150,7 +153,9 @@ class RecordingStore:
                 "key": key, "group": key_group(key) if key else None,
                 "boundary": boundary, "bytes": nbytes, "result": result,
                 "request": request,
-                "loader": getattr(self._loading, "request", None) if op == "get" else None}
+                "loader": getattr(self._loading, "request", None) if op == "get" else None,
+                # An evict is the pool's own, which both instances of a pair share.
+                "instance": None if op == "evict" else self.instance}
             if self.ops.mark is not None:
                 row["names"] = self.ops.mark()
             self.ops.rows.append(row)

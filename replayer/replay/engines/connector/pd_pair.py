@@ -18,6 +18,9 @@ step"); here the decode instance receives it after that step, every time, so
 the store holds every put the prefill instance made for it. A decode lookup
 that races those puts in production, and misses them, is not replayed.
 
+Every ``store_ops`` row but an evict names the instance whose store client
+made it (``instance``: prefill or decode); an evict is the shared pool's own.
+
 What is the decode instance's alone: events (``reset_prefix_cache`` empties
 both GPU caches; ``evict``, KV-cache events and explain's lookups are the
 decode instance's), the lookups golden (the prefill instance's lookups run
@@ -61,6 +64,9 @@ class PrefillDecodePair(EngineAdapter):
         self.dropped = decode.dropped
         self.notes = [*prefill.notes, *(n for n in decode.notes if n not in prefill.notes)]
         prefill.session.files_lookups = False
+        for tag, one in (("prefill", prefill), ("decode", decode)):
+            for rank in one.session.ranks:      # each store_ops row names its instance
+                rank.recorder.instance = tag
         self._waiting: dict[str, EngineRequest] = {}   # at the prefill instance
         self._ready: list[EngineRequest] = []          # prefilled; decode after one more step
         self._steps = 0
