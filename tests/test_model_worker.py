@@ -271,15 +271,50 @@ def test_model_worker_needs_a_vllm_that_runs_a_model_here():
     assert_bad_input(proc, "--worker model", "cannot run a model")
 
 
-def test_a_prefill_decode_pair_runs_at_tp1_and_is_refused_above():
-    # Two model-worker engines in one process over one store (each executor puts
-    # its own connector in vLLM's process-wide slot, worker/store.py);
-    # test_model_worker_agrees_with_the_null_executor holds the pair's fixture.
-    path = FIXTURES / "store" / "pd_pair_shared_store.yaml"
-    assert WHY_NOT[path] is None
-    engine = with_sets(load_target(path), ["engine.tensor_parallel_size=2"]).engine
-    with pytest.raises(UnsupportedByEngine, match="above TP 1 replays on the null executor"):
-        check_supported("0.32.0", engine, "serve", "model")
+# A prefill/decode pair at TP 2 on a slice: two vLLM MultiprocExecutors in one
+# engine process (worker/ranks.py), four rank processes. Each instance's ranks put
+# or get through their own clients over the one store: the Mamba group's keys
+# each rank's own (tp_rank:R), the one-KV-head attention striped over the ranks.
+# test_model_worker_agrees_with_the_null_executor holds the pair's fixture at TP 1.
+PD_TP2 = """
+engine:
+  block_size: 256
+  kv_groups: [{kind: full_attention}, {kind: mamba}]
+  max_num_batched_tokens: 1024
+  max_num_seqs: 8
+  num_gpu_blocks: 64
+  connector: mooncake_store
+  connector_config: {kv_role: kv_consumer}
+  prefill_instance:
+    connector_config: {kv_role: kv_producer}
+  tensor_parallel_size: 2
+requests:
+  - {id: a, prompt: [{stream: a, len: 600}], output_len: 2}
+  - {id: a_more, after: a, prompt: [{stream: a, len: 600}, {stream: b, len: 300}], output_len: 2}
+"""
+
+
+def test_a_prefill_decode_pair_at_tp2_gives_the_null_executors_store_ops(workers, tmp_path):
+    path = tmp_path / "pd_tp2.yaml"
+    path.write_text(PD_TP2)
+    assert why_not(path) is None
+    trace = load_target(path)
+    null, model = workers["null"](trace), workers["model"](trace)
+    # Hits, schedule, and every store op by step, rank, key, result and instance.
+    assert worker_differences(null, model) == []
+    hits = {r.id: (r.num_local_cached_tokens, r.num_external_cached_tokens)
+            for r in model.requests}
+    assert hits == {"a": (0, 512), "a_more": (512, 256)}
+    rows = [r for r in model.store["rows"] if r["result"] is not None and r["result"] >= 0]
+    mamba = {(r["op"], r["instance"], r["rank"], r["key"].split("@")[1])
+             for r in rows if r["op"] in ("put", "get") and r["group"] == 1}
+    assert mamba == {("put", "prefill", 0, "tp_rank:0"), ("put", "prefill", 1, "tp_rank:1"),
+                     ("get", "decode", 0, "tp_rank:0"), ("get", "decode", 1, "tp_rank:1")}
+    assert {(r["instance"], r["rank"]) for r in rows if r["op"] == "put"} == {
+        ("prefill", 0), ("prefill", 1)}
+    gets = [r for r in rows if r["op"] == "get"]
+    assert model.store["gets_checked"] == len(gets)
+    assert all(r.logprobs for r in model.requests)
 
 
 CONTEXT = """

@@ -132,13 +132,6 @@ def check_supported(version: str, engine: EngineBlock, label: str,
     lacks (a connector no store adapter serves, a Mamba cache mode it removed),
     and, for the model worker, a geometry no tiny model here takes."""
     check_connector(version, engine.connector, label)
-    if engine.prefill_instance is not None and worker == "model" and (
-            engine.tensor_parallel_size > 1):
-        # At TP 1 each instance is a model-worker engine in this process
-        # (worker/store.py: each executor puts its own connector in vLLM's slot).
-        raise UnsupportedByEngine(f"{label}: engine.prefill_instance (a prefill/decode pair) "
-                                  "above TP 1 replays on the null executor (--worker null); "
-                                  "the model worker's pair runs at TP 1 only")
     if worker == "model":
         from replayer.replay.engines.worker.models import check_geometry
 
