@@ -13,13 +13,14 @@ ENGINE = ("engine:\n  block_size: 16\n  num_gpu_blocks: 64\n"
           "  max_num_batched_tokens: 2048\n  max_num_seqs: 4\n")
 
 
-def waves_scenario(path, connector: str, last=None):
+def waves_scenario(path, connector: str, last=None, more: tuple[str, ...] = ()):
     """Waves of requests 40 steps apart, written to ``path`` and loaded: each wave
     sends a new prompt, resends the one before, resets the GPU cache, resends its
     own, resends the prompt of three waves ago, and resets again (so at a boundary
     the GPU side is empty and only the connector's side can tell two paths apart).
     ``connector``: the engine block's lines after the shared ones; ``last``: one
-    more request ``(id, arrival step, stream)`` after the waves."""
+    more request ``(id, arrival step, stream)`` after the waves; ``more``: request
+    lines (YAML flow mappings) after that."""
     reqs, events = [], []
 
     def req(rid, at, stream):
@@ -37,19 +38,21 @@ def waves_scenario(path, connector: str, last=None):
         events.append(f"  - {{at_step: {t + 38}, action: reset_prefix_cache}}")
     if last is not None:
         req(*last)
+    reqs += [f"  - {line}" for line in more]
     path.write_text(ENGINE + connector + "requests:\n" + "\n".join(reqs)
                     + "\nevents:\n" + "\n".join(events) + "\n")
     return load_target(path)
 
 
-def waves_fixture(folder: str, name: str, connector: str, last=None):
+def waves_fixture(folder: str, name: str, connector: str, last=None,
+                  more: tuple[str, ...] = ()):
     """A module-scoped ``waves`` fixture: (the waves trace, its sequential replay)."""
 
     @pytest.fixture(scope="module")
     def waves(tmp_path_factory):
         from replayer.replay.execution.clients import replay_on
 
-        trace = waves_scenario(tmp_path_factory.mktemp(folder) / name, connector, last)
+        trace = waves_scenario(tmp_path_factory.mktemp(folder) / name, connector, last, more)
         return trace, replay_on(trace)
 
     return waves

@@ -93,9 +93,6 @@ def why_serial(trace: Trace) -> str | None:
     if engine.connector and engine.connector not in ("mooncake_store", "offloading"):
         return (f"the state digest does not read its {engine.connector} connector's state "
                 "(a MooncakeStore connector's it does)")
-    if engine.connector and engine.prefill_instance:
-        return ("it replays a prefill/decode pair, two engines over one store, and the state "
-                "digest reads one")
     if trace.events is not None and trace.events.num_rows:
         for ev in trace.events.to_pylist():
             # evict, store_remove and store_fault split too: the digest writes

@@ -46,10 +46,13 @@ def _parts(parts: list[tuple[Any, Any]], what: str,
 
 class _Names:
     """The exact path's map of block hash -> (boundary, first request), built
-    from the owners' logs in order."""
+    from the owners' logs in order. A prefill/decode pair's instances each
+    name by their own first requests: their namings carry the instance's tag
+    (``TaggedLog``), and each tag has a map of its own (``maps``)."""
 
     def __init__(self) -> None:
         self.map: dict[Any, tuple[Any, Any]] = {}
+        self.maps: dict[Any, dict[Any, tuple[Any, Any]]] = {None: self.map}
         self.log: list = []
         self.at = 0
 
@@ -57,9 +60,10 @@ class _Names:
         self.log, self.at = log, start
 
     def upto(self, n: int) -> None:
-        log, names = self.log, self.map
+        log, maps = self.log, self.maps
         while self.at < n:
-            h, boundary, request = log[self.at]
+            h, boundary, request, *tag = log[self.at]
+            names = maps.setdefault(tag[0] if tag else None, {})
             names.setdefault(h, (boundary, request))
             self.at += 1
 
@@ -139,7 +143,8 @@ def assemble_store(parts: list[tuple[Any, Any]]) -> tuple[dict[str, Any] | None,
         for r in rep["rows"][start["rows"]:end["rows"]]:
             r = dict(r)
             names.upto(r.pop("names"))
-            site = names.map.get(key_hash(r["key"])) if r["key"] else None
+            by = names.maps.get(r.pop("namer", None), {})
+            site = by.get(key_hash(r["key"])) if r["key"] else None
             r["boundary"], r["request"] = site if site else (None, None)
             r["order"] = len(rows)
             r["step"] += shift

@@ -136,6 +136,9 @@ class RecordingStore:
         self._put_crc = self.ops.put_crc
         self._put_sizes = self.ops.put_sizes
         self.seconds = 0.0            # inside the backend's calls (timings, never output)
+        # A time segment of a prefill/decode pair's: which instance's names this
+        # recorder's rows take (written as the row's "namer"; segments/rows.py).
+        self.namer: str | None = None
         if hasattr(inner, "on_evict") and rank == 0:
             # A backend shared by the ranks files its evictions once, under rank 0.
             inner.on_evict = self._evicted
@@ -158,6 +161,8 @@ class RecordingStore:
                 "instance": None if op == "evict" else self.instance}
             if self.ops.mark is not None:
                 row["names"] = self.ops.mark()
+                if self.namer is not None:
+                    row["namer"] = self.namer
             self.ops.rows.append(row)
 
     def _fail(self, what: str) -> None:

@@ -119,6 +119,33 @@ class PrefillDecodePair(EngineAdapter):
         finally:
             self.prefill.close()
 
+    # -- a time segment's naming logs: one log, each naming tagged by instance
+    def start_name_log(self) -> None:
+        """Each instance names store keys by its own first requests (its own
+        ``boundaries``), and its recorder names its rows from that map. So both
+        file their namings into one log in order, each tagged with the instance
+        (:class:`TaggedLog`), and each row notes the instance that wrote it
+        (``namer``): the head keeps one map per instance (segments/rows.py)."""
+        self.decode.start_name_log()
+        self.prefill.start_name_log()
+        if self.decode.name_log is None:
+            return
+        shared: list[tuple[str, int, str, str]] = []
+        for tag, one in (("prefill", self.prefill), ("decode", self.decode)):
+            one.name_log = TaggedLog(shared, tag)
+            for rank in one.session.ranks:
+                rank.recorder.namer = tag
+        self.decode.session.ops.mark = shared.__len__
+
+    def segment_marks(self) -> dict[str, int]:
+        return self.decode.segment_marks()
+
+    def segment_logs(self) -> dict[str, Any]:
+        logs = self.decode.segment_logs()
+        if "store_names" in logs:
+            logs["store_names"] = logs["store_names"].entries
+        return logs
+
     # -- the store: one store and one log, events through the decode instance
     def store_report(self) -> dict[str, Any] | None:
         report = self.decode.store_report()
@@ -177,3 +204,18 @@ class PrefillDecodePair(EngineAdapter):
 
     def hits_are_first_prefill(self) -> bool | None:
         return self.decode.hits_are_first_prefill()
+
+
+class TaggedLog:
+    """One instance's view of a pair's shared naming log: what it files is
+    appended to the shared list with its tag; its length is the shared one's
+    (a row's mark counts every naming before it, either instance's)."""
+
+    def __init__(self, entries: list, tag: str) -> None:
+        self.entries, self.tag = entries, tag
+
+    def append(self, entry: tuple[str, int, str]) -> None:
+        self.entries.append((*entry, self.tag))
+
+    def __len__(self) -> int:
+        return len(self.entries)

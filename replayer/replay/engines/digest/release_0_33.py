@@ -40,7 +40,9 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request
 
 from replayer.replay.engines.digest import events as digest_events
+from replayer.replay.engines.connector.pd_pair import PrefillDecodePair
 from replayer.replay.engines.digest import offload as digest_offload
+from replayer.replay.engines.digest import pair as digest_pair
 from replayer.replay.engines.digest import store as digest_store
 from replayer.replay.engines.digest.walk import Canon, DigestError, sha
 
@@ -151,6 +153,8 @@ EXCLUDED: dict[str, dict[str, str]] = {
     # OffloadingConnector's (digest/offload.py).
     **digest_store.EXCLUDED,
     **digest_offload.EXCLUDED,
+    # A prefill/decode pair's adapter (digest/pair.py).
+    **digest_pair.EXCLUDED,
 }
 
 
@@ -278,7 +282,7 @@ def _blocks(d: _Digest, pool: Any) -> list[str]:
 def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
                    scheduler: Callable[[_Digest, Any], list[str]] = _scheduler,
                    prefix_cache: Callable[[_Digest, Any], list[str]] = _prefix_cache,
-                   ) -> dict[str, list[str]]:
+                   pair_part: str | None = None) -> dict[str, list[str]]:
     """The canonical text of ``engine``'s state, by section (one line per item).
 
     ``engine`` is the 0.33 adapter (:class:`~.vllm_0_33.Vllm033Engine`);
@@ -286,7 +290,16 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
     ``pending`` what the replay has still to run (:class:`.events.Pending`);
     ``scheduler`` and ``prefix_cache``: those sections' writers (an earlier
     release's, :mod:`.release_0_29`, where its fields differ).
+    A prefill/decode pair is written by :mod:`.pair`, each instance by this
+    function (``pair_part``: which instance it is).
     Raises :class:`DigestError` on a value it cannot encode."""
+    if isinstance(engine, PrefillDecodePair):
+        return digest_pair.pair_sections(
+            engine, pending,
+            lambda one, part_pending, part: state_sections(
+                one, loop, part_pending, scheduler=scheduler, prefix_cache=prefix_cache,
+                pair_part=part),
+            _Digest())
     sched = engine.scheduler
     kvm = sched.kv_cache_manager
     core = engine.core
@@ -305,7 +318,8 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
     if getattr(getattr(engine, "session", None), "backend", None) == "cpu":
         out["offload"] = digest_offload.offload_section(d, engine)   # connector: offloading
     else:
-        store = digest_store.store_section(d, engine)
+        store = (digest_store.store_section(d, engine) if pair_part is None
+                 else digest_store.store_section(d, engine, pair_part))
         if store:                              # a MooncakeStore trace's
             out["store"] = store
     events = digest_events.events_section(d, engine, pending)
@@ -327,7 +341,8 @@ def state_digest(engine: Any, loop: dict[str, int],
 def counters(engine: Any) -> dict[str, int]:
     """Counters that number things from the engine's start, which a boundary
     carries over by offset: prefix lookups so far (explain orders by them)."""
-    hits = getattr(engine, "group_hits", None)
+    # A prefill/decode pair's lookups are its decode instance's (PrefillDecodePair.lookups).
+    hits = getattr(getattr(engine, "decode", engine), "group_hits", None)
     return {"lookups": 0 if hits is None else hits._count}
 
 

@@ -158,8 +158,11 @@ def _jobs(by: dict[str, set[int]], nxt: int) -> str:
     return "; ".join(f"{rid!r} {sorted(nxt - j for j in jobs)}" for rid, jobs in by.items())
 
 
-def store_section(d: Any, engine: Any) -> list[str]:
-    """The store section's lines: [] for an engine without a MooncakeStore."""
+def store_section(d: Any, engine: Any, pair_part: str | None = None) -> list[str]:
+    """The store section's lines: [] for an engine without a MooncakeStore.
+    ``pair_part``: the instance of a prefill/decode pair this engine is
+    (:mod:`.pair`): the store and its log, which the two share, are written
+    once, with the decode instance; each instance's connector with its own."""
     session = getattr(engine, "session", None)
     if session is None:
         if getattr(engine.scheduler, "connector", None) is not None:
@@ -169,11 +172,15 @@ def store_section(d: Any, engine: Any) -> list[str]:
     if not hasattr(session, "ranks"):
         raise DigestError(f"engine.session: a {type(session).__name__}, whose state the "
                           "digest does not read (a MooncakeStore connector's it does)")
-    if session.peer is not None or session.gather is not None:
-        raise DigestError("store: a shared or gathered store session (a pair, ranks in "
-                          "processes of their own), which the digest does not read")
+    if session.gather is not None:
+        raise DigestError("store: a gathered store session (ranks in processes of their "
+                          "own), which the digest does not read")
+    if (session.peer is not None) != (pair_part == "decode"):
+        raise DigestError("store: a store shared with another engine (a prefill/decode "
+                          "pair) read as one engine's")
     live = engine.scheduler.requests
-    out = _store(d, session) + _ops(d, session.ops) + _scheduler_side(d, engine.scheduler)
+    shared = [] if pair_part == "prefill" else _store(d, session) + _ops(d, session.ops)
+    out = shared + _scheduler_side(d, engine.scheduler)
     nxt = engine.scheduler.connector.connector_scheduler._next_store_job_id
     out.append("filed " + d.enc(sorted((r, n) for r, n in engine._named.items() if r in live),
                                 "engine._named"))
