@@ -7,19 +7,22 @@ prefills each request, a kv_consumer decodes it from what the producer
 wrote) over a memory store of three prompts, then a conversation: t2's prompt
 holds t1's prompt and output. The decode instance names t1's output block by
 t1 as it decodes it; the prefill instance, which never saw that output, by
-t2, whose prefill puts it. The digest (replayer/replay/engines/digest/pair.py)
-holds the decode instance's sections, the shared store once, and a section
-of the pair's own: the prefill instance's state and the hand-off.
+t2, whose prefill puts it. A second trace evicts each prompt from the decode
+instance after it, so at its boundary only the prefill instance remembers an
+old prompt. The digest (replayer/replay/engines/digest/pair.py) holds the
+decode instance's sections, the shared store once, and a section of the
+pair's own: the prefill instance's state and the hand-off.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from helpers_segments import WAVES, waves_fixture
+from helpers_segments import ENGINE, WAVES, waves_fixture
 from replayer.check.output import dumps
 from replayer.replay.segments import replay_segments, why_serial
 from replayer.replay.segments.hosts import InProcessHost
+from traces import load_target
 
 waves = waves_fixture(
     "pd", "pd_waves.yaml",
@@ -57,21 +60,58 @@ def test_a_pd_pair_splits_with_the_sequential_bytes(waves):
     assert named == {"t1", "t2"}
 
 
-def test_the_pair_section_fails_closed(waves, monkeypatch):
-    """The pair's own step clock walked into its section (it counts from each
-    replay's start, so it differs at every boundary): both boundaries, whose
-    other sections match, differ in the pair section alone, neither is
-    trusted (segment 0 replays the whole trace), and the bytes are still the
-    sequential replay's."""
-    from replayer.replay.engines.digest import pair
+def _evicts(path):
+    """Ten prompts 10 steps apart, each evicted from the decode instance's cache
+    after it (evict events are the decode instance's), over a store of three
+    prompts; y resends prompt 3 first at step 70. A 128-token budget takes a
+    whole prompt in two steps."""
+    reqs, events = [], []
+    for i in range(10):
+        if i == 7:
+            reqs.append("  - {id: y, arrival_step: 70, output_len: 2, "
+                        "prompt: [{stream: s3, len: 256}]}")
+        reqs.append(f"  - {{id: x{i}, arrival_step: {10 * i}, output_len: 2, "
+                    f"prompt: [{{stream: s{i}, len: 256}}]}}")
+        events.append(f"  - {{at_step: {10 * i + 6}, action: evict, request: x{i}}}")
+    path.write_text(ENGINE.replace("2048", "128")
+                    + "  connector: mooncake_store\n  mooncake_global_segment_size: 12KB\n"
+                    "  connector_config: {kv_role: kv_consumer}\n"
+                    "  prefill_instance:\n    connector_config: {kv_role: kv_producer}\n"
+                    "requests:\n" + "\n".join(reqs) + "\nevents:\n" + "\n".join(events) + "\n")
+    return load_target(path)
 
-    trace, seq = waves
-    monkeypatch.delitem(pair.EXCLUDED["PrefillDecodePair"], "_steps")
-    res, report = replay_segments(trace, InProcessHost(), 3, 110)
+
+def test_what_only_the_prefill_instance_holds_fails_the_boundary(tmp_path, monkeypatch):
+    """Two segments, a 30-step warm-up: at step 70 the exact path's prefill
+    instance still holds blocks of prompt 3, which neither the decode instance
+    (evicted), nor the store (its oldest out), nor the segment's prefill
+    instance (its warm-up began at prompt 4) holds: only the pair section
+    differs, segment 0 replays on, the bytes are the sequential replay's. With
+    the section blanked the boundary passes, and y, whose prompt the exact
+    path's prefill instance partly holds and prefills in one step, reaches the
+    decode instance a step later; the prefill instance's store checks differ."""
+    from replayer.replay.engines.digest import pair
+    from replayer.replay.execution.clients import replay_on
+
+    trace = _evicts(tmp_path / "pd_evicts.yaml")
+    seq = replay_on(trace)
+    res, report = replay_segments(trace, InProcessHost(), 2, 30)
+    assert report.plan.boundaries == [70]
     assert report.matched == []
-    assert [_differing(c) for c in report.checks] == [{"pair", "total"}] * 2
+    assert _differing(report.checks[0]) == {"pair", "total"}
     assert dumps(res) == dumps(seq)
     assert res.store["rows"] == seq.store["rows"]
+    sections = pair.pair_sections
+
+    def blanked(*args):
+        return {**sections(*args), "pair": ["blank"]}
+    monkeypatch.setattr(pair, "pair_sections", blanked)
+    res, report = replay_segments(trace, InProcessHost(), 2, 30)
+    assert report.matched == [1]
+    steps = {r.id: (r.prefill_step, r.finish_step) for r in res.requests}
+    assert steps["y"] == tuple(s + 1 for s in {r.id: (r.prefill_step, r.finish_step)
+                                                 for r in seq.requests}["y"])
+    assert res.store["rows"] != seq.store["rows"]
 
 
 def test_a_store_event_to_come_leaves_a_pair_boundary_untrusted():
