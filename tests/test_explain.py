@@ -417,3 +417,40 @@ def test_a_cpu_tier_eviction_is_a_store_loss_not_capacity():
     assert ex.replays[1]["change"].startswith("cpu_bytes_to_use=")
     said = [m.said({0: "full_attention"}) for m in ex.store_misses["a_again"]]
     assert said and "was written and is gone (evicted at step" in said[0], said
+
+
+def test_a_whole_prompt_load_is_named_not_unexplained():
+    """a_again's 1024 of 1024 (240 on the GPU, 784 loaded from the CPU tier): vLLM
+    reports every prompt token cached and computes the last one again, while
+    reachable stops below it (1008, in units of 16): the 16 above are
+    ``whole_prompt``, negative, and nothing is unexplained."""
+    trace = load_target(FIXTURES / "offloading" / "gpu_evicted_prefix_returns_from_cpu.yaml")
+    ex = explain(trace)
+    row = ex.table.filter(pl.col("id") == "a_again").row(0, named=True)
+    assert (row["reachable"], row["actual"]) == (1008, 1024)
+    assert _lost(ex, "a_again") == {"whole_prompt": -16}
+    assert ex.summary()["lost"]["unexplained"] == 0
+    assert "_update_waiting_for_remote_kv" in ex.evidence["whole_prompt"]
+
+
+def test_a_hit_above_reachable_is_whole_prompt_only_at_reachable_s_cap():
+    """Above the reachable prefix, only a hit of the whole prompt where reachable is
+    its cap (whole units below the last prompt token) is ``whole_prompt``; any
+    other hit above it stays ``unexplained`` (a finding)."""
+    from types import SimpleNamespace
+
+    from replayer.analysis.explain import _below_the_floor
+
+    def lost_of(reachable, hit, prompt=1024):
+        req = SimpleNamespace(id="r", num_cached_tokens=hit, group_hits=None)
+        last = SimpleNamespace(requests=[req], by_id=lambda: {"r": req}, kv_groups=None)
+        reach = pl.DataFrame({"id": ["r"], "reachable": [reachable],
+                              "num_prompt_tokens": [prompt]})
+        lost = {c: {"r": 0} for c in CAUSES}
+        _below_the_floor(last, reach, 16, 16, lost)
+        return {c: v["r"] for c, v in lost.items() if v["r"]}
+
+    assert lost_of(1008, 1024) == {"whole_prompt": -16}
+    assert lost_of(992, 1024) == {"unexplained": -32}      # reachable below its cap
+    assert lost_of(1008, 1020, prompt=1020) == {"whole_prompt": -12}  # cap: 1019 // 16 units
+    assert lost_of(1008, 1024, prompt=1030) == {"unexplained": -16}   # not the whole prompt

@@ -22,7 +22,9 @@ then what the last replay still misses of the reachable prefix floored to
 vLLM's ``cache_hit_alignment_tokens`` is split by vLLM's own per-group
 lookup (``find_longest_cache_hit_per_group``) on that replay: a Mamba group
 that stopped short is sparse retention (state not kept there), a
-sliding-window group is the window; what no cause explains is
+sliding-window group is the window; a hit of the whole prompt a connector
+loaded is ``whole_prompt`` (negative: above the reachable prefix, which
+stops below the last prompt token); what no cause explains is
 ``unexplained``, reported, never folded into another cause. ``alignment``
 is the reachable prefix minus that floor. ``preemption`` is measured as
 what vLLM itself reports: where the adapter says its release keeps a
@@ -56,7 +58,17 @@ from traces.reachable import Clock, prefix_match_unit, reachable_hits, shared_to
 from traces.scenarios.what_if import with_sets
 
 CAUSES = ("capacity", "store", "reset", "eagle_drop", "sparse_retention", "sliding_window",
-          "alignment", "preemption", "unexplained")
+          "alignment", "whole_prompt", "preemption", "unexplained")
+
+#: Why a connector's hit can pass the reachable prefix: reachable stops below the
+#: last prompt token, as vLLM's own lookup does (``get_computed_blocks``: at most
+#: ``num_tokens - 1``), but a connector may load the whole prompt, and vLLM
+#: reports every token of it cached while it computes the last one again
+#: (``Scheduler._update_waiting_for_remote_kv``) to sample the next.
+WHOLE_PROMPT = ("a connector loaded the whole prompt: vLLM reports every prompt token cached "
+                "and computes the last one again (Scheduler._update_waiting_for_remote_kv), "
+                "where reachable stops below the last prompt token as vLLM's own lookup does "
+                "(negative: tokens hit above the reachable prefix)")
 
 Replayer = Callable[[Trace], ReplayResult]
 
@@ -303,7 +315,7 @@ def explain(trace: Trace, run: Replayer, *,
     align = int(base.hit_alignment or unit)
     ids = reach["id"].to_list()
     lost, evidence = chain.split(ids)
-    mamba_short = _below_the_floor(chain.results[-1], reach, align, lost)
+    mamba_short = _below_the_floor(chain.results[-1], reach, align, unit, lost)
     evidence.update(_evidence_beside_the_chain(trace, base, align, evidence, lost,
                                                mamba_short))
     actual = _cached(base)
@@ -378,22 +390,29 @@ class _Chain:
         return lost, evidence
 
 
-def _below_the_floor(last: ReplayResult, reach: pl.DataFrame, align: int,
+def _below_the_floor(last: ReplayResult, reach: pl.DataFrame, align: int, unit: int,
                      lost: dict[str, dict[str, int]]) -> dict[str, tuple[int, int]]:
     """What the last replay still misses of each reachable prefix: the part below
     the hit alignment is ``alignment``, the rest the cause vLLM's per-group lookup
-    names (``unexplained`` where it names none). Returns the requests a Mamba group
-    stopped short: id -> (what the Mamba groups could serve, the floor)."""
+    names (``unexplained`` where it names none); a hit above it is ``whole_prompt``
+    where it is the whole prompt and reachable its cap (else ``unexplained``).
+    Returns the requests a Mamba group stopped short: id -> (what the Mamba groups
+    could serve, the floor)."""
     by_id = last.by_id()
     got = _cached(last)
     mamba_short: dict[str, tuple[int, int]] = {}
-    for rid, r in zip(reach["id"].to_list(), reach["reachable"].to_list()):
+    for rid, r, n in zip(reach["id"].to_list(), reach["reachable"].to_list(),
+                         reach["num_prompt_tokens"].to_list()):
         floor = (r // align) * align
         lost["alignment"][rid] = r - floor
         gap = floor - got[rid]
+        if gap > 0:
+            cause = _limiting_kind(by_id[rid], last.kv_groups, got[rid], floor)
+        elif gap < 0:
+            # reachable's cap: whole units below the last prompt token (traces.reachable).
+            whole = got[rid] == n and r == (n - 1) // unit * unit
+            cause = "whole_prompt" if whole else "unexplained"
         if gap:
-            cause = _limiting_kind(by_id[rid], last.kv_groups, got[rid], floor) if gap > 0 \
-                else "unexplained"
             lost[cause][rid] += gap
             if cause == "sparse_retention":
                 mamba_short[rid] = (min(by_id[rid].group_hits), floor)
@@ -426,6 +445,9 @@ def _evidence_beside_the_chain(trace: Trace, base: ReplayResult, align: int,
         "what vLLM's per-group lookup on the last replay shows a sliding-window group could "
         "not serve" if "sliding_window" in kinds
         else "no sliding-window group in this geometry: nothing to measure")
+    out["whole_prompt"] = (WHOLE_PROMPT if trace.engine.connector else
+                           "no connector in this trace: a hit stops below the last prompt "
+                           "token, as reachable does")
     out["preemption"] = preemption_evidence(base)
     out["unexplained"] = ("reachable minus actual minus every cause above; nonzero is a "
                           "finding")
