@@ -1,6 +1,7 @@
 """Helpers shared by the time-segment tests: the waves traces of
 tests/test_segments_store.py and tests/test_segments_offload.py, and a release's
-split of the recorded EAGLE fixture (tests/test_segments.py, test_release_0_34.py)."""
+split of the recorded EAGLE fixture or another trace (tests/test_segments.py,
+test_release_0_34.py)."""
 
 from __future__ import annotations
 
@@ -58,23 +59,24 @@ def waves_fixture(folder: str, name: str, connector: str, last=None,
     return waves
 
 
-def release_split(version: str):
-    """The recorded EAGLE fixture (live_eagle) on release ``version`` at K 3 with a
-    50-step warm-up, its segments in one process of their own that imports it
-    (--jobs 1): (the segments' result, their report, the sequential replay on
-    that release, the host's kind)."""
+def release_split(version: str, trace=None, warm_up: int = 50):
+    """``trace`` (the recorded EAGLE fixture, live_eagle, by default) on release
+    ``version`` at K 3 with a ``warm_up``-step warm-up, its segments in one process
+    of their own that imports it (--jobs 1): (the segments' result, their report,
+    the sequential replay on that release, the host's kind)."""
     from conftest import TRACES
     from replayer.replay.engines.sources.specs import resolve
     from replayer.replay.execution.clients import replay_on
     from replayer.replay.segments import replay_segments
     from replayer.replay.segments.hosts import make_host
 
-    trace = load_target(TRACES / "live_eagle")
+    if trace is None:
+        trace = load_target(TRACES / "live_eagle")
     engine = resolve(version)
     seq = replay_on(trace, engine)
     host = make_host(None, 1, 3, engine=engine)
     try:
-        res, report = replay_segments(trace, host, 3, 50, spec=engine)
+        res, report = replay_segments(trace, host, 3, warm_up, spec=engine)
     finally:
         host.close()
     return res, report, seq, host.kind

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from conftest import cli
-from helpers_segments import release_split
+from helpers_segments import release_split, waves_scenario
 
 pytestmark = pytest.mark.slow       # one engine process of 0.34 (~10 s of vLLM imports)
 
@@ -144,6 +144,49 @@ def test_0_34_splits_into_segments_with_the_sequential_bytes():
     assert res.engine.vllm == "0.34.0"
     assert dumps(res) == dumps(seq)
     assert report.matched == [1, 2]
+
+
+def test_0_34_splits_a_store_trace_where_0_33_does(tmp_path):
+    """The store waves (tests/test_segments_store.py) on 0.34.0 at K 3, a 110-step
+    warm-up, in one 0.34 process: the boundary at step 180 matches as on 0.33
+    (0.34's store worker keeps its KV caches' addresses, written by length:
+    digest/release_0_34.py); at 260 the stores truly differ and the segment before
+    replays on. The bytes and store rows are the sequential replay's."""
+    from replayer.check.output import dumps
+
+    trace = waves_scenario(tmp_path / "store_waves.yaml",
+                           "  connector: mooncake_store\n  mooncake_global_segment_size: 12KB\n")
+    res, report, seq, _ = release_split("vllm==0.34.0", trace, warm_up=110)
+    assert res.engine.vllm == "0.34.0"
+    assert report.plan.boundaries == [180, 260]
+    assert report.matched == [1]
+    failed = report.checks[1]
+    assert {k for k in failed.exact if failed.exact[k] != failed.started[k]} == {"store", "total"}
+    assert dumps(res) == dumps(seq)
+    assert res.store["rows"] == seq.store["rows"]
+
+
+def test_0_34s_store_worker_is_written_by_region_lengths_not_addresses():
+    """Two workers whose KV caches lie at other addresses write alike; a region
+    released for sleep (or another length) writes otherwise; a worker without
+    0.34's fields is not digested (the boundary is never trusted)."""
+    from replayer.replay.engines.digest.release_0_33 import _Digest
+    from replayer.replay.engines.digest.release_0_34 import DigestError, _worker
+
+    def line(regions, released=(), **more):
+        w = type("MooncakeStoreWorker", (), {"__module__": "vllm.x"})()
+        w.__dict__.update(more)
+        if regions is not None:
+            w._device_regions, w._released_regions = regions, set(released)
+        return _worker(_Digest(), w, "rank0.worker")
+
+    one = line({0x7F00: 16384, 0x9000: 512}, tp_rank=0)
+    assert one.startswith("regions [16384, 512] released [] MooncakeStoreWorker(tp_rank=0)")
+    assert line({0x1234: 16384, 0x5678: 512}, tp_rank=0) == one
+    assert line({0x7F00: 16384, 0x9000: 512}, {0x9000}, tp_rank=0) != one
+    assert line({0x7F00: 16384, 0x9000: 256}, tp_rank=0) != one
+    with pytest.raises(DigestError, match="not 0.34's registered regions"):
+        line(None, tp_rank=0)
 
 
 def test_offloading_replays_on_0_34_over_registered_cpu_tensors():

@@ -282,14 +282,18 @@ def _blocks(d: _Digest, pool: Any) -> list[str]:
 def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
                    scheduler: Callable[[_Digest, Any], list[str]] = _scheduler,
                    prefix_cache: Callable[[_Digest, Any], list[str]] = _prefix_cache,
-                   pair_part: str | None = None) -> dict[str, list[str]]:
+                   pair_part: str | None = None,
+                   worker: Callable[[_Digest, Any, str], str] | None = None,
+                   ) -> dict[str, list[str]]:
     """The canonical text of ``engine``'s state, by section (one line per item).
 
     ``engine`` is the 0.33 adapter (:class:`~.vllm_0_33.Vllm033Engine`);
     ``loop`` the replay loop's own state at the pause (clock, idle counters);
     ``pending`` what the replay has still to run (:class:`.events.Pending`);
     ``scheduler`` and ``prefix_cache``: those sections' writers (an earlier
-    release's, :mod:`.release_0_29`, where its fields differ).
+    release's, :mod:`.release_0_29`, where its fields differ); ``worker``: how
+    the store section writes a rank's worker-side connector (None: walked;
+    0.34's, :mod:`.release_0_34`, writes its registered regions by content).
     A prefill/decode pair is written by :mod:`.pair`, each instance by this
     function (``pair_part``: which instance it is).
     Raises :class:`DigestError` on a value it cannot encode."""
@@ -298,7 +302,7 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
             engine, pending,
             lambda one, part_pending, part: state_sections(
                 one, loop, part_pending, scheduler=scheduler, prefix_cache=prefix_cache,
-                pair_part=part),
+                pair_part=part, worker=worker),
             _Digest())
     sched = engine.scheduler
     kvm = sched.kv_cache_manager
@@ -318,8 +322,9 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
     if getattr(getattr(engine, "session", None), "backend", None) == "cpu":
         out["offload"] = digest_offload.offload_section(d, engine)   # connector: offloading
     else:
-        store = (digest_store.store_section(d, engine) if pair_part is None
-                 else digest_store.store_section(d, engine, pair_part))
+        how = {} if worker is None else {"worker": worker}
+        store = (digest_store.store_section(d, engine, **how) if pair_part is None
+                 else digest_store.store_section(d, engine, pair_part, **how))
         if store:                              # a MooncakeStore trace's
             out["store"] = store
     events = digest_events.events_section(d, engine, pending)

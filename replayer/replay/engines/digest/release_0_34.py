@@ -1,8 +1,10 @@
 """The state digest for vLLM 0.34 (the 0.33 adapter's range): 0.33's
-(:mod:`.release_0_33`), but for the prefix-cache map.
+(:mod:`.release_0_33`), but for the prefix-cache map and the store worker's
+registered regions.
 
 Read from the 0.34.0 wheel's ``vllm/v1/core/block_pool.py``,
-``kv_cache_utils.py``, ``v1/request.py`` and ``sched/scheduler.py``. What
+``kv_cache_utils.py``, ``v1/request.py``, ``sched/scheduler.py`` and the
+MooncakeStore connector's ``store/worker.py``. What
 differs from 0.33:
 
 * **The prefix-cache map holds block ids.** ``BlockHashToBlockMap._cache``
@@ -15,6 +17,26 @@ differs from 0.33:
   block's ``pool`` holds: left out, as ``pool`` is.
 * A request's tokens are a ``TokenBuffer`` (an ``array`` of int32): the walker
   hashes its contents (:mod:`.walk`), never its (empty) fields.
+* **The store worker keeps its KV caches' addresses.** ``MooncakeStoreWorker``
+  maps each memory region it registered with the store, by its address, to
+  its length (``_device_regions``), and keeps the addresses it unregistered
+  for sleep mode (``_released_regions``). An address is where this process's
+  allocator put a tensor, different in every engine built (walked, it failed
+  every store trace's boundary); nothing reads it but the store's
+  ``register_buffer`` and ``unregister_buffer`` in ``unregister_kv_caches`` /
+  ``restore_kv_caches`` (sleep mode, which no replay enters), which hand it
+  back for the same tensor, so no hit, put or get depends on it. The worker
+  line writes the lengths in registration order and the released regions by
+  their place in it (:data:`WORKER_BY_CONTENT`); both are still compared.
+
+0.34's lookup client (``LookupKeyClient``: a non-blocking lookup's result
+reused for ``lookup_prefetch_ttl_s`` of wall time, prefetches on arrival)
+is never in a replay: the scheduler-side connector's ``client`` is the
+replayer's in-process lookup (left out in :mod:`.store`, the ZMQ seam), which
+holds no result between calls and declines every prefetch, and a trace
+asking for ``lookup_async`` is refused on 0.34 before an engine is built
+(``refuse_wall_clock_lookups`` in the 0.33 adapter). So no wall-clock cache
+is in the state, and none needs digesting.
 
 The scheduler's new fields (``async_kv_waiting``, ``_parked_reservations``,
 ``_aborted_kv_loads``, the cache-aware admission settings) are walked unasked;
@@ -56,10 +78,36 @@ def _prefix_cache(d: Any, pool: Any) -> list[str]:
             d.obj(pool, "block_pool"), f"reuse_watchers {' '.join(watched)}"]
 
 
+# MooncakeStoreWorker's fields the store section writes by content, not walked.
+WORKER_BY_CONTENT: dict[str, str] = {
+    "_device_regions": "KV-cache regions registered with the store, address -> length: "
+                       "the address is the allocator's (handed back only to the store's "
+                       "register/unregister_buffer for sleep mode), written as the "
+                       "lengths in registration order",
+    "_released_regions": "regions unregistered for sleep mode, by address: written as "
+                         "their places in the registration order",
+}
+
+
+def _worker(d: Any, w: Any, path: str) -> str:
+    """A rank's worker-side connector: its regions by content, then every other field."""
+    regions = getattr(w, "_device_regions", None)
+    released = getattr(w, "_released_regions", None)
+    if not isinstance(regions, dict) or not isinstance(released, set) \
+            or not released <= regions.keys():
+        raise DigestError(f"{path}: not 0.34's registered regions (_device_regions, "
+                          "_released_regions)")
+    order = list(regions)
+    places = sorted(order.index(a) for a in released)
+    return (f"regions {list(regions.values())} released {places} "
+            + d.canon.obj(w, path, also_skip=frozenset(WORKER_BY_CONTENT)))
+
+
 def state_digest(engine: Any, loop: dict[str, int],
                  pending: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
     """Each section's hash, and ``total`` over them all (as 0.33's)."""
-    sections = state_sections(engine, loop, pending, prefix_cache=_prefix_cache)
+    sections = state_sections(engine, loop, pending, prefix_cache=_prefix_cache,
+                              worker=_worker)
     parts = {name: sha(lines) for name, lines in sections.items()}
     parts["total"] = sha([f"{k}={v}" for k, v in parts.items()])
     return parts

@@ -39,7 +39,7 @@ Only the memory store's contents can be read: a real master's
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from replayer.replay.engines.digest.walk import DigestError
 
@@ -158,11 +158,18 @@ def _jobs(by: dict[str, set[int]], nxt: int) -> str:
     return "; ".join(f"{rid!r} {sorted(nxt - j for j in jobs)}" for rid, jobs in by.items())
 
 
-def store_section(d: Any, engine: Any, pair_part: str | None = None) -> list[str]:
+def _worker(d: Any, w: Any, path: str) -> str:
+    return d.obj(w, path)
+
+
+def store_section(d: Any, engine: Any, pair_part: str | None = None,
+                  worker: Callable[[Any, Any, str], str] = _worker) -> list[str]:
     """The store section's lines: [] for an engine without a MooncakeStore.
     ``pair_part``: the instance of a prefill/decode pair this engine is
     (:mod:`.pair`): the store and its log, which the two share, are written
-    once, with the decode instance; each instance's connector with its own."""
+    once, with the decode instance; each instance's connector with its own.
+    ``worker``: how a rank's worker-side connector is written (a release's
+    digest where its fields need more than the walk: 0.34's, :mod:`.release_0_34`)."""
     session = getattr(engine, "session", None)
     if session is None:
         if getattr(engine.scheduler, "connector", None) is not None:
@@ -191,7 +198,7 @@ def store_section(d: Any, engine: Any, pair_part: str | None = None) -> list[str
         if rec.phase != "exists" or getattr(rec._loading, "request", None) is not None:
             raise DigestError(f"{path}.store: a lookup or load in flight at the pause")
         out.append(f"{path} recv_request_queue {_empty(w.recv_request_queue, path)}")
-        out.append(f"{path} worker " + d.obj(w, f"{path}.worker"))
+        out.append(f"{path} worker " + worker(d, w, f"{path}.worker"))
         threads = ([w.kv_send_thread] if w.kv_send_thread is not None else []) \
             + list(w.kv_recv_threads)
         for i, t in enumerate(threads):
