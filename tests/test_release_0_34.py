@@ -17,7 +17,7 @@ import json
 import pytest
 
 from conftest import cli
-from helpers_segments import release_split, waves_scenario
+from helpers_segments import WAVES, release_split, waves_scenario
 
 pytestmark = pytest.mark.slow       # one engine process of 0.34 (~10 s of vLLM imports)
 
@@ -201,3 +201,28 @@ def test_offloading_replays_on_0_34_over_registered_cpu_tensors():
         "goldens for vllm==0.34.0 (engine vllm==0.34.0)",
         "  store: 7 key(s) written, 11 key(s) fetched and 3 lookup(s) match the store "
         "goldens for vllm==0.34.0"]
+
+
+def test_0_34_splits_an_offloading_trace_where_0_33_does(tmp_path):
+    """The offload waves (tests/test_segments_offload.py) on 0.34.0 at K 3, a
+    110-step warm-up, in one 0.34 process: the boundary at step 180 matches as on
+    0.33 (0.34's offloading worker keeps the KV caches it registered, written by
+    shape, not address: digest/release_0_34.py); at 260 the CPU tiers truly differ,
+    only the offload section fails and the segment before replays on. The bytes and
+    CPU-tier rows are the sequential replay's."""
+    from replayer.check.output import dumps
+
+    cpu_bytes = 10 * 16 * 4096
+    trace = waves_scenario(tmp_path / "offload_waves.yaml",
+                           "  connector: offloading\n  connector_config:\n"
+                           f"    cpu_bytes_to_use: {cpu_bytes}\n", last=("z7", 40 * WAVES - 8, 0))
+    res, report, seq, _ = release_split("vllm==0.34.0", trace, warm_up=110)
+    assert res.engine.vllm == "0.34.0"
+    assert report.plan.boundaries == [180, 260]
+    assert report.matched == [1]
+    failed = report.checks[1]
+    assert {k for k in failed.exact if failed.exact[k] != failed.started[k]} == {"offload",
+                                                                                  "total"}
+    assert {r.id: r.num_external_cached_tokens for r in res.requests}["z7"] == 256
+    assert dumps(res) == dumps(seq)
+    assert res.store["rows"] == seq.store["rows"]

@@ -1,4 +1,4 @@
-"""vLLM's OffloadingConnector's part of a state digest (``connector: offloading``, 0.32-0.33).
+"""vLLM's OffloadingConnector's part of a state digest (``connector: offloading``, 0.32-0.34).
 
 A CPU-offload replay carries past a boundary what vLLM's
 ``OffloadingConnectorScheduler`` keeps (each request's offload state: its
@@ -30,12 +30,14 @@ evicts by (rank, key) over the evictable keys), wall-clock times and metrics,
 and configuration. Only the LRU policy is read: ARC's state is not, and its
 boundaries are never trusted. vLLM 0.32 keeps one number per key for its rank
 and has no request ranks, reset fences, synchronous loads or step lock; the
-fields it lacks are read as absent, and any other difference fails.
+fields it lacks are read as absent, and any other difference fails. vLLM
+0.34's worker-side connector also keeps the KV caches it registered and its
+failed jobs: its line is written by :mod:`.release_0_34` (``worker``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from replayer.replay.engines.digest.walk import DigestError
 
@@ -192,19 +194,27 @@ def _jobs(d: Any, cs: Any, blocks: Any, nxt: int) -> list[str]:
 _JOB_IDS = frozenset(("deferred_fence_block_ids", "fenced_block_ids"))
 
 
-def _worker(d: Any, conn: Any, nxt: int) -> list[str]:
+# A release's writer of the worker-side connector's line (its fields but the jobs
+# below): (digest, connector worker, path, next job id) -> text. None: walked.
+WorkerWriter = Callable[[Any, Any, str, int], str]
+
+
+def _worker(d: Any, conn: Any, nxt: int, writer: WorkerWriter | None = None) -> list[str]:
     w = conn.connector_worker
     if w.worker is not None and getattr(w.worker, "_done", None):
         raise DigestError("offload.worker: transfers reported at no get_finished yet")
     meta = w._connector_worker_meta
-    return [f"worker {d.obj(conn, 'offload.worker')} {d.obj(w, 'offload.worker.connector')}",
+    path = "offload.worker.connector"
+    body = d.obj(w, path) if writer is None else writer(d, w, path, nxt)
+    return [f"worker {d.obj(conn, 'offload.worker')} {body}",
             f"worker loads {sorted((nxt - j, r) for j, r in w._load_jobs.items())} "
             f"unsubmitted {[nxt - j for j, _, _ in w._unsubmitted_store_jobs]} "
             f"completed {sorted((nxt - j, n) for j, n in meta.completed_jobs.items())}"]
 
 
-def offload_section(d: Any, engine: Any) -> list[str]:
-    """The offload section's lines (the session is an OffloadSession)."""
+def offload_section(d: Any, engine: Any, worker: WorkerWriter | None = None) -> list[str]:
+    """The offload section's lines (the session is an OffloadSession); ``worker``:
+    a release's writer of the worker-side connector (0.34's, :mod:`.release_0_34`)."""
     session = engine.session
     sched = engine.scheduler
     cs = sched.connector.connector_scheduler
@@ -223,7 +233,7 @@ def offload_section(d: Any, engine: Any) -> list[str]:
     out += _requests(d, cs, blocks, nxt, manager, policy, ranks)
     out += _jobs(d, cs, blocks, nxt)
     if session.connector is not None:
-        out += _worker(d, session.connector, nxt)
+        out += _worker(d, session.connector, nxt, worker)
     out.append("filed " + d.enc(sorted((r, n) for r, n in engine._named.items()
                                        if r in sched.requests), "engine._named"))
     return out

@@ -284,6 +284,7 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
                    prefix_cache: Callable[[_Digest, Any], list[str]] = _prefix_cache,
                    pair_part: str | None = None,
                    worker: Callable[[_Digest, Any, str], str] | None = None,
+                   offload_worker: Callable[[_Digest, Any, str, int], str] | None = None,
                    ) -> dict[str, list[str]]:
     """The canonical text of ``engine``'s state, by section (one line per item).
 
@@ -293,7 +294,9 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
     ``scheduler`` and ``prefix_cache``: those sections' writers (an earlier
     release's, :mod:`.release_0_29`, where its fields differ); ``worker``: how
     the store section writes a rank's worker-side connector (None: walked;
-    0.34's, :mod:`.release_0_34`, writes its registered regions by content).
+    0.34's, :mod:`.release_0_34`, writes its registered regions by content);
+    ``offload_worker``: how the offload section writes the OffloadingConnector's
+    worker side (None: walked; 0.34's writes its registered KV caches by content).
     A prefill/decode pair is written by :mod:`.pair`, each instance by this
     function (``pair_part``: which instance it is).
     Raises :class:`DigestError` on a value it cannot encode."""
@@ -302,7 +305,7 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
             engine, pending,
             lambda one, part_pending, part: state_sections(
                 one, loop, part_pending, scheduler=scheduler, prefix_cache=prefix_cache,
-                pair_part=part, worker=worker),
+                pair_part=part, worker=worker, offload_worker=offload_worker),
             _Digest())
     sched = engine.scheduler
     kvm = sched.kv_cache_manager
@@ -320,7 +323,8 @@ def state_sections(engine: Any, loop: dict[str, int], pending: Any = None, *,
                           "aborts " + d.enc(list(core.aborts_queue.queue), "aborts_queue")]
     out["replayer"] = _replayer(d, engine)
     if getattr(getattr(engine, "session", None), "backend", None) == "cpu":
-        out["offload"] = digest_offload.offload_section(d, engine)   # connector: offloading
+        how = {} if offload_worker is None else {"worker": offload_worker}
+        out["offload"] = digest_offload.offload_section(d, engine, **how)  # connector: offloading
     else:
         how = {} if worker is None else {"worker": worker}
         store = (digest_store.store_section(d, engine, **how) if pair_part is None

@@ -1,10 +1,11 @@
 """The state digest for vLLM 0.34 (the 0.33 adapter's range): 0.33's
-(:mod:`.release_0_33`), but for the prefix-cache map and the store worker's
-registered regions.
+(:mod:`.release_0_33`), but for the prefix-cache map, the store worker's
+registered regions and the offloading worker's registered KV caches.
 
 Read from the 0.34.0 wheel's ``vllm/v1/core/block_pool.py``,
 ``kv_cache_utils.py``, ``v1/request.py``, ``sched/scheduler.py`` and the
-MooncakeStore connector's ``store/worker.py``. What
+MooncakeStore connector's ``store/worker.py``, the OffloadingConnector's
+``offloading/{scheduler,worker,common}.py`` and ``v1/kv_offload/cpu/``. What
 differs from 0.33:
 
 * **The prefix-cache map holds block ids.** ``BlockHashToBlockMap._cache``
@@ -28,6 +29,20 @@ differs from 0.33:
   back for the same tensor, so no hit, put or get depends on it. The worker
   line writes the lengths in registration order and the released regions by
   their place in it (:data:`WORKER_BY_CONTENT`); both are still compared.
+
+* **The offloading worker keeps the KV caches it registered.**
+  ``OffloadingConnectorWorker._kv_caches`` (a ``CanonicalKVCaches``: tensors
+  and each group's references into them) is read only by
+  ``resolve_device_pointers``, which turns a transfer's block ids into
+  addresses for the transfer handler (the seam: it moves no bytes, or copies
+  them on the model worker); no lookup, store or eviction reads it. The worker
+  line writes each tensor by shape, dtype and page size, never its address or
+  bytes, and walks the group references (:func:`_offload_worker`). Its
+  ``_connector_worker_meta`` now lists failed jobs (``failed_jobs``): written
+  by distance from the next job, as completed ones are; ``_failed_recving`` is
+  walked, as are the scheduler side's new fields (a job's ``failed``, a
+  request's ``load_failed``, ``use_lookahead_block_hashes``) and the CPU
+  tier's ``counted_keys`` per request.
 
 0.34's lookup client (``LookupKeyClient``: a non-blocking lookup's result
 reused for ``lookup_prefetch_ttl_s`` of wall time, prefetches on arrival)
@@ -54,6 +69,9 @@ from replayer.replay.engines.digest.release_0_33 import (
     state_sections,
 )
 from replayer.replay.engines.digest.walk import sha
+
+# The offloading worker's fields its line writes by content, not walked.
+OFFLOAD_WORKER_BY_CONTENT = frozenset(("_kv_caches",))
 
 __all__ = ["DIGEST", "DigestError", "EXCLUDED", "counters", "state_digest"]
 
@@ -103,11 +121,26 @@ def _worker(d: Any, w: Any, path: str) -> str:
             + d.canon.obj(w, path, also_skip=frozenset(WORKER_BY_CONTENT)))
 
 
+def _offload_worker(d: Any, w: Any, path: str, nxt: int) -> str:
+    """The OffloadingConnector's worker side: its registered KV caches by shape,
+    dtype and page size, its failed jobs by distance, then every other field."""
+    caches = getattr(w, "_kv_caches", None)
+    failed = getattr(w._connector_worker_meta, "failed_jobs", None)
+    if caches is None or not isinstance(failed, set):
+        raise DigestError(f"{path}: not 0.34's registered KV caches (_kv_caches) and "
+                          "failed jobs")
+    tensors = " ".join(f"{tuple(t.tensor.shape)}:{t.tensor.dtype}:{t.page_size_bytes}"
+                       for t in caches.tensors)
+    refs = d.enc(caches.group_data_refs, f"{path}._kv_caches.group_data_refs")
+    return (f"kv_caches [{tensors}] refs {refs} failed {sorted(nxt - j for j in failed)} "
+            + d.canon.obj(w, path, also_skip=OFFLOAD_WORKER_BY_CONTENT))
+
+
 def state_digest(engine: Any, loop: dict[str, int],
                  pending: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
     """Each section's hash, and ``total`` over them all (as 0.33's)."""
     sections = state_sections(engine, loop, pending, prefix_cache=_prefix_cache,
-                              worker=_worker)
+                              worker=_worker, offload_worker=_offload_worker)
     parts = {name: sha(lines) for name, lines in sections.items()}
     parts["total"] = sha([f"{k}={v}" for k, v in parts.items()])
     return parts
