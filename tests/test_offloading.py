@@ -1,4 +1,4 @@
-"""connector: offloading: vLLM 0.32-0.33's OffloadingConnector, replayed (docs/offloading.md).
+"""connector: offloading: vLLM 0.32-0.34's OffloadingConnector, replayed (docs/offloading.md).
 
 The fixtures under fixtures/offloading/ hold the hits and the CPU tier's keys
 (the plugin phase checks their goldens). These tests check what the goldens

@@ -70,7 +70,7 @@ def release_prefix(version: str, prefixes: Iterable[str]) -> str | None:
 
 
 # Releases whose OffloadingConnector the replay drives (connector: offloading):
-# 0.32 and 0.33. What connector/offloading_0_33.py touches is the same in both
+# 0.32, 0.33 and 0.34 (below). What connector/offloading_0_33.py touches is the same in 0.32 and 0.33
 # (the connector and its worker/scheduler attributes, the manager's lookup,
 # prepare_load, prepare_store and complete_store, the offload key helpers,
 # LookupResult, TransferResult); 0.32 lacks 0.33's sliding-window chunks and
@@ -89,7 +89,7 @@ def check_connector(version: str, connector: str | None, label: str) -> None:
     if connector == "offloading" and release_prefix(version, OFFLOADING_RELEASES) is None:
         raise UnsupportedByEngine(
             f"{label}: connector replay (offloading) is not supported on vLLM {version} yet "
-            f"(its OffloadingConnector differs from 0.32-0.33's; replayed on "
+            f"(its OffloadingConnector differs from 0.32-0.34's; replayed on "
             f"{', '.join(p + '.x' for p in OFFLOADING_RELEASES)})")
     if connector and release_prefix(version, STORE_ADAPTERS) is None:
         served = ", ".join(f"{p}.x" for p in STORE_ADAPTERS)

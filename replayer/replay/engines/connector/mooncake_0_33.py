@@ -83,7 +83,7 @@ def kv_transfer_config(engine: EngineBlock) -> KVTransferConfig:
     finish-time tail puts, no send thread unless ``save_decode_cache``), and looks up and
     loads; ``kv_producer`` saves, and looks up and loads as ``kv_both`` does
     (``enable_lookup: false`` is vLLM's switch for an instance that never loads)."""
-    if engine.connector == "offloading":      # vLLM's CPU offload (0.32-0.33)
+    if engine.connector == "offloading":      # vLLM's CPU offload (0.32-0.34)
         from replayer.replay.engines.connector.offloading_0_33 import kv_transfer_config as cpu
 
         return cpu(engine)

@@ -1,4 +1,4 @@
-"""vLLM's OffloadingConnector (CPU offload) inside a vLLM 0.32-0.33 replay: seams and wiring.
+"""vLLM's OffloadingConnector (CPU offload) inside a vLLM 0.32-0.34 replay: seams and wiring.
 
 ``engine.connector: offloading`` replays vLLM's own ``OffloadingConnector``
 (``kv_connector_extra_config`` by vLLM's names: ``cpu_bytes_to_use``,
