@@ -80,3 +80,16 @@ def release_split(version: str, trace=None, warm_up: int = 50):
     finally:
         host.close()
     return res, report, seq, host.kind
+
+
+def assert_waves_split(res, report, seq, section: str) -> None:
+    """The waves' split at K 3 with a 110-step warm-up: boundaries at 180 and 260,
+    180 matches, 260 differs in ``section`` alone (and the total) and the segment
+    before replays on; the --json bytes are the sequential replay's."""
+    from replayer.check.output import dumps
+
+    assert report.plan.boundaries == [180, 260]
+    assert report.matched == [1]
+    failed = report.checks[1]
+    assert {k for k in failed.exact if failed.exact[k] != failed.started[k]} == {section, "total"}
+    assert dumps(res) == dumps(seq)

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from conftest import cli
-from helpers_segments import WAVES, release_split, waves_scenario
+from helpers_segments import WAVES, assert_waves_split, release_split, waves_scenario
 
 pytestmark = pytest.mark.slow       # one engine process of 0.34 (~10 s of vLLM imports)
 
@@ -152,17 +152,11 @@ def test_0_34_splits_a_store_trace_where_0_33_does(tmp_path):
     (0.34's store worker keeps its KV caches' addresses, written by length:
     digest/release_0_34.py); at 260 the stores truly differ and the segment before
     replays on. The bytes and store rows are the sequential replay's."""
-    from replayer.check.output import dumps
-
     trace = waves_scenario(tmp_path / "store_waves.yaml",
                            "  connector: mooncake_store\n  mooncake_global_segment_size: 12KB\n")
     res, report, seq, _ = release_split("vllm==0.34.0", trace, warm_up=110)
     assert res.engine.vllm == "0.34.0"
-    assert report.plan.boundaries == [180, 260]
-    assert report.matched == [1]
-    failed = report.checks[1]
-    assert {k for k in failed.exact if failed.exact[k] != failed.started[k]} == {"store", "total"}
-    assert dumps(res) == dumps(seq)
+    assert_waves_split(res, report, seq, "store")
     assert res.store["rows"] == seq.store["rows"]
 
 
@@ -210,19 +204,12 @@ def test_0_34_splits_an_offloading_trace_where_0_33_does(tmp_path):
     shape, not address: digest/release_0_34.py); at 260 the CPU tiers truly differ,
     only the offload section fails and the segment before replays on. The bytes and
     CPU-tier rows are the sequential replay's."""
-    from replayer.check.output import dumps
-
     cpu_bytes = 10 * 16 * 4096
     trace = waves_scenario(tmp_path / "offload_waves.yaml",
                            "  connector: offloading\n  connector_config:\n"
                            f"    cpu_bytes_to_use: {cpu_bytes}\n", last=("z7", 40 * WAVES - 8, 0))
     res, report, seq, _ = release_split("vllm==0.34.0", trace, warm_up=110)
     assert res.engine.vllm == "0.34.0"
-    assert report.plan.boundaries == [180, 260]
-    assert report.matched == [1]
-    failed = report.checks[1]
-    assert {k for k in failed.exact if failed.exact[k] != failed.started[k]} == {"offload",
-                                                                                  "total"}
+    assert_waves_split(res, report, seq, "offload")
     assert {r.id: r.num_external_cached_tokens for r in res.requests}["z7"] == 256
-    assert dumps(res) == dumps(seq)
     assert res.store["rows"] == seq.store["rows"]
